@@ -1,0 +1,242 @@
+"""Recurrent memory of the drafter: fold committed target features into a fixed-size state, read it with queries.
+
+Per (batch, head) the state is a matrix S ∈ R^{dk×dv}. Feature t brings a key k_t ∈ R^{dk}, a value v_t ∈ R^{dv},
+a log-decay g_t ≤ 0 (a_t = exp(g_t) ∈ (0, 1]) and, for gdn, a write strength β_t ∈ (0, 1):
+
+    mamba2 (SSD, scalar decay per head):  S_t = a_t · S_{t-1} + k_t v_tᵀ
+                                          (Mamba-2 mapping: k = B, v = x·Δ, g = A·Δ)
+    gdn    (gated delta rule):            S_t = a_t · (I − β_t k_t k_tᵀ) S_{t-1} + β_t k_t v_tᵀ
+                                          (k L2-normalised by the caller)
+
+    read:                                 o = Sᵀ q        (q ∈ R^{dk} → o ∈ R^{dv}; S is not changed)
+
+Three forms of the same recurrence, side by side:
+    step     the exact recurrence, feature by feature (inference: commit 1..8 features per round)
+    chunked  the chunk-parallel form (training, prefill)
+    read_at  the state at arbitrary prefix lengths p, read by many queries at once (training)
+
+Chunked algebra. Inside a chunk with start state S_0 and local cumulative log-decay G_i = g_1 + … + g_i
+(γ_i = exp(G_i)), both kinds have the form
+
+    S_i = γ_i S_0 + Σ_{j≤i} (γ_i/γ_j) k_j u_jᵀ                                                     (*)
+
+with u_j = v_j for mamba2 (SSD state passing, after Dao & Gu 2024). For gdn write the update as
+S_i = a_i S_{i-1} + k_i u_iᵀ, u_i = β_i (v_i − a_i S_{i-1}ᵀ k_i); substituting (*) for S_{i-1} gives
+
+    u_i + Σ_{j<i} β_i (γ_i/γ_j) (k_iᵀ k_j) u_j = β_i v_i − β_i γ_i S_0ᵀ k_i,
+
+i.e. (I + A) U = diag(β) V − diag(βγ) K S_0 with A strictly lower triangular, so U = U₀ − W S_0 where
+U₀ = (I+A)⁻¹ diag(β) V and W = (I+A)⁻¹ diag(βγ) K do not depend on S_0 (the WY/UT form, after Yang et al.
+2024, "Parallelizing Linear Transformers with the Delta Rule" and "Gated Delta Networks"). Only the cheap hand-over
+S_0 → S_L is sequential over chunks. Because (*) holds at every i, the state at any position inside a chunk is
+γ-decayed S_0 plus a decay-masked sum over the chunk's (transformed) values, which is what `read_at` uses.
+
+Numerics: every decay factor is exp(G_i − G_j) with j ≤ i inside one chunk (≤ 0), and the exponent is masked
+before the exp, so no exp of a large positive number appears in values or gradients.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+MEMORY_KINDS = ("mamba2", "gdn")
+
+# `step` folds up to this many features with the exact loop; longer folds (prefill) use the chunked form.
+STEP_LOOP_MAX = 16
+
+
+def _check(kind: str, beta: Tensor | None) -> None:
+    if kind not in MEMORY_KINDS:
+        raise ValueError(f"unknown memory kind {kind!r}; expected one of {MEMORY_KINDS}")
+    if kind == "gdn" and beta is None:
+        raise ValueError("memory kind 'gdn' needs beta [B, T, H]")
+    if kind == "mamba2" and beta is not None:
+        raise ValueError("memory kind 'mamba2' takes no beta (pass None)")
+
+
+def init_state(batch: int, heads: int, dk: int, dv: int, dtype: torch.dtype = torch.float32,
+               device: torch.device | str | None = None) -> Tensor:
+    """The empty memory: S = 0, shape [B, H, dk, dv]."""
+    return torch.zeros(batch, heads, dk, dv, dtype=dtype, device=device)
+
+
+def read(S: Tensor, q: Tensor) -> Tensor:
+    """o = Sᵀ q.  S [B, H, dk, dv], q [B, H, Q, dk] -> [B, H, Q, dv]. Pure: S is neither changed nor aliased."""
+    return torch.matmul(q, S)
+
+
+def step(kind: str, S: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor | None = None) -> Tensor:
+    """Fold n new features into S in order (exact recurrence) and return the NEW state; S is not mutated.
+
+        mamba2:  S ← exp(g_t) S + k_t v_tᵀ
+        gdn:     S ← exp(g_t) (S − β_t k_t (k_tᵀ S)) + β_t k_t v_tᵀ
+
+    k [B, n, H, dk], v [B, n, H, dv], g [B, n, H], beta [B, n, H] (gdn) or None (mamba2); S [B, H, dk, dv].
+    For n > STEP_LOOP_MAX (prefill) the chunked form is used, which is the same recurrence up to rounding.
+    """
+    _check(kind, beta)
+    n = k.shape[1]
+    if n > STEP_LOOP_MAX:
+        return chunked(kind, k, v, g, beta, S0=S)[1]
+    S = S.clone() if n == 0 else S
+    a = g.exp()
+    for t in range(n):
+        kt, vt, at = k[:, t, :, :, None], v[:, t, :, None, :], a[:, t, :, None, None]  # [B,H,dk,1] [B,H,1,dv]
+        if kind == "mamba2":
+            S = at * S + kt * vt
+        else:
+            bt = beta[:, t, :, None, None]
+            kS = (kt * S).sum(-2, keepdim=True)  # k_tᵀ S  [B, H, 1, dv]
+            S = at * (S - bt * kt * kS) + bt * kt * vt
+    return S
+
+
+def _to_chunks(x: Tensor, L: int) -> Tensor:
+    """[B, T, H, ...] -> [B, H, n_chunks, L, ...], zero-padded at the end (zero features are identity folds)."""
+    x = x.movedim(1, 2)
+    T = x.shape[2]
+    n_chunks = -(-T // L)
+    pad = n_chunks * L - T
+    if pad:
+        x = torch.cat([x, x.new_zeros(*x.shape[:2], pad, *x.shape[3:])], dim=2)
+    return x.reshape(*x.shape[:2], n_chunks, L, *x.shape[3:])
+
+
+def _scan(kind: str, k: Tensor, v: Tensor, g: Tensor, beta: Tensor | None, S0: Tensor | None, chunk: int):
+    """Chunked form. Returns (states [B,H,n_chunks,dk,dv] before each chunk, final [B,H,dk,dv],
+    K [B,H,n_chunks,L,dk], U [B,H,n_chunks,L,dv] (v for mamba2, the transformed u for gdn), G [B,H,n_chunks,L])."""
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    B, T, H, dk = k.shape
+    dv = v.shape[-1]
+    L = chunk
+    K, V = _to_chunks(k, L), _to_chunks(v, L)
+    G = _to_chunks(g, L).cumsum(-1)                                   # local cumulative log-decay G_i
+    n_chunks = K.shape[2]
+    Kd = K * (G[..., -1:] - G).exp()[..., None]                       # (γ_L/γ_j) k_j: decayed to the chunk end
+    decay_total = G[..., -1].exp()[..., None, None]                   # γ_L per chunk  [B,H,n_chunks,1,1]
+    if kind == "gdn":
+        Bc = _to_chunks(beta, L)
+        strict = torch.ones(L, L, dtype=torch.bool, device=k.device).tril(-1)
+        seg = (G[..., :, None] - G[..., None, :]).masked_fill(~strict, float("-inf")).exp()  # γ_i/γ_j, j < i
+        A = Bc[..., :, None] * seg * (K @ K.transpose(-1, -2))      # A_ij = β_i (γ_i/γ_j) k_iᵀ k_j
+        IA = A + torch.eye(L, dtype=A.dtype, device=A.device)
+        U0 = torch.linalg.solve_triangular(IA, Bc[..., None] * V, upper=False, unitriangular=True)
+        w0 = 0 if S0 is not None else 1                               # from a zero state chunk 0 needs no W
+        W = torch.linalg.solve_triangular(IA[:, :, w0:], ((Bc * G.exp())[..., None] * K)[:, :, w0:],
+                                          upper=False, unitriangular=True)
+    else:
+        increment = Kd.transpose(-1, -2) @ V                          # Σ_j (γ_L/γ_j) k_j v_jᵀ
+
+    S = torch.zeros(B, H, dk, dv, dtype=k.dtype, device=k.device) if S0 is None else S0
+    states, us = [], []
+    for c in range(n_chunks):                                         # inter-chunk state passing
+        states.append(S)
+        if kind == "gdn":
+            u = U0[:, :, c] - W[:, :, c - w0] @ S if c >= w0 else U0[:, :, c]  # U = U₀ − W S_0
+            us.append(u)
+            S = decay_total[:, :, c] * S + Kd[:, :, c].transpose(-1, -2) @ u
+        else:
+            S = decay_total[:, :, c] * S + increment[:, :, c]
+    if n_chunks:
+        states = torch.stack(states, 2)
+    else:
+        states = S.new_zeros(B, H, 0, dk, dv)
+    U = (torch.stack(us, 2) if n_chunks else V) if kind == "gdn" else V
+    return states, S, K, U, G
+
+
+def chunked(kind: str, k: Tensor, v: Tensor, g: Tensor, beta: Tensor | None = None, S0: Tensor | None = None,
+            chunk: int = 64) -> tuple[Tensor, Tensor]:
+    """Chunked (training / prefill) form over a whole sequence, starting from S0 (zeros if None).
+
+        S_end = γ_L S_0 + Σ_j (γ_L/γ_j) k_j u_jᵀ  per chunk, u = v (mamba2) or u = U₀ − W S_0 (gdn, UT form)
+
+    k [B,T,H,dk], v [B,T,H,dv], g [B,T,H], beta [B,T,H] or None. T need not be a multiple of chunk.
+    Returns (chunk_states [B, n_chunks, H, dk, dv] = state BEFORE each chunk, final_state [B, H, dk, dv]).
+    """
+    _check(kind, beta)
+    states, final, *_ = _scan(kind, k, v, g, beta, S0, chunk)
+    return states.transpose(1, 2), final
+
+
+def read_at(kind: str, k: Tensor, v: Tensor, g: Tensor, q: Tensor, q_pos: Tensor, beta: Tensor | None = None,
+            chunk: int = 64, limit: int | None = None) -> Tensor:
+    """Training-time read: o_i = read(S_{p_i}, q_i), S_p = state after folding features 0..p-1 from zero (S_0 = 0).
+
+    With p = c·L + r (chunk c, offset r) and (*) from the module docstring:
+        S_pᵀ q = γ_r S_cᵀ q + Σ_{j<r} (γ_r/γ_j) (k_jᵀ q) u_j       (u = v for mamba2, transformed u for gdn)
+
+    k [B,T,H,dk], v [B,T,H,dv], g [B,T,H], beta [B,T,H] or None, q [B,H,Q,dk],
+    q_pos LongTensor [Q] (shared over the batch) or [B,Q] with values in [0, T]. Returns [B,H,Q,dv].
+    limit=N: the memory of query i holds only features max(0, p-N)..p-1, folded from a zero state.
+    """
+    _check(kind, beta)
+    B, T, H, dk = k.shape
+    Q = q.shape[2]
+    pos = (q_pos.expand(B, Q) if q_pos.dim() == 1 else q_pos).to(device=k.device, dtype=torch.long)
+    if pos.shape != (B, Q):
+        raise ValueError(f"q_pos must be [Q] or [B, Q] with Q={Q}, B={B}; got {tuple(q_pos.shape)}")
+    if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) > T):
+        raise ValueError(f"q_pos values must lie in [0, {T}]")
+    if limit is not None:
+        if limit < 0:
+            raise ValueError(f"limit must be >= 0, got {limit}")
+        if pos.numel() and limit < int(pos.max()):                    # otherwise the windows hold every prefix
+            return _read_at_limited(kind, k, v, g, q, pos, beta, chunk, limit)
+    if T == 0:
+        return q.new_zeros(B, H, Q, v.shape[-1])
+
+    states, final, K, U, G = _scan(kind, k, v, g, beta, None, chunk)
+    L, n_chunks = chunk, K.shape[2]
+    S_all = torch.cat([states, final[:, :, None]], 2)                 # S_all[:, :, c] = state at p = c·L
+    c = torch.div(pos, L, rounding_mode="floor")
+    r = pos - c * L
+    bidx = torch.arange(B, device=k.device)[:, None]
+    # G_r: local log-decay from the chunk start to p (0 when r = 0)
+    Gr = G.reshape(B, H, n_chunks * L).gather(-1, (pos - 1).clamp(min=0)[:, None].expand(B, H, Q))
+    Gr = Gr.masked_fill((r == 0)[:, None], 0.0)                       # [B, H, Q]
+    # chunk-start state decayed to p:  γ_r S_cᵀ q
+    Sc = S_all[bidx, :, c].transpose(1, 2)                            # [B, H, Q, dk, dv]
+    o = Gr.exp()[..., None] * (q[..., None, :] @ Sc).squeeze(-2)
+    # intra-chunk part: decay-masked attention over features c·L .. p-1
+    cc = c.clamp(max=n_chunks - 1)                                    # p = T = n_chunks·L has r = 0: nothing here
+    Kc, Uc, Gc = (x[bidx, :, cc].transpose(1, 2) for x in (K, U, G))  # [B,H,Q,L,dk] [B,H,Q,L,dv] [B,H,Q,L]
+    before = torch.arange(L, device=k.device) < r[:, None, :, None]   # j < r   [B, 1, Q, L]
+    w = (Gr[..., None] - Gc).masked_fill(~before, float("-inf")).exp()
+    scores = (Kc @ q[..., None]).squeeze(-1) * w                      # (γ_r/γ_j) k_jᵀ q
+    return o + (scores[..., None, :] @ Uc).squeeze(-2)
+
+
+def _read_at_limited(kind: str, k: Tensor, v: Tensor, g: Tensor, q: Tensor, pos: Tensor, beta: Tensor | None,
+                     chunk: int, N: int) -> Tensor:
+    """read_at with the memory restricted to the last N features before each query position."""
+    B, T, H, dk = k.shape
+    Q, dv = q.shape[2], v.shape[-1]
+    if N == 0:
+        return q.new_zeros(B, H, Q, dv)
+    if kind == "mamba2":
+        # quadratic SSD form, o_i = Σ_{p-N ≤ j < p} exp(Σ_{j<t<p} g_t) (k_jᵀ q_i) v_j.
+        # Prefix sums in float64 so that their differences do not cancel.
+        Gx = F.pad(g.double().cumsum(1), (0, 0, 1, 0)).movedim(1, 2)   # Gx[..., p] = Σ_{t<p} g_t   [B, H, T+1]
+        Gp = Gx.gather(-1, pos[:, None].expand(B, H, Q))              # [B, H, Q]
+        j = torch.arange(T, device=k.device)
+        inside = (j < pos[..., None]) & (j >= pos[..., None] - N)     # [B, Q, T]
+        w = (Gp[..., None] - Gx[..., None, 1:]).masked_fill(~inside[:, None], float("-inf")).exp().to(q.dtype)
+        scores = torch.einsum("bhqd,bthd->bhqt", q, k) * w
+        return torch.einsum("bhqt,bthe->bhqe", scores, v)
+    # gdn: fold each window p-N .. p-1 from a zero state (left-padded with identity folds: k = v = g = β = 0)
+    idx = pos[..., None] - N + torch.arange(N, device=k.device)       # [B, Q, N]
+    valid = (idx >= 0)[..., None]
+    bidx = torch.arange(B, device=k.device)[:, None, None]
+
+    def windows(x: Tensor) -> Tensor:                                 # [B, T, H, ...] -> [B·Q, N, H, ...]
+        xw = x[bidx, idx.clamp(min=0)]
+        xw = xw * valid.reshape(*valid.shape, *([1] * (xw.dim() - valid.dim())))
+        return xw.reshape(B * Q, N, *x.shape[2:])
+
+    _, S = _scan(kind, windows(k), windows(v), windows(g), windows(beta), None, min(chunk, N))[:2]
+    S = S.reshape(B, Q, H, dk, dv).transpose(1, 2)                    # [B, H, Q, dk, dv]
+    return (q[..., None, :] @ S).squeeze(-2)
