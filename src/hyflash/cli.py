@@ -1,0 +1,105 @@
+"""Command line: ``hyflash generate | info``."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from hyflash import HyflashError
+
+
+def _quiet_transformers() -> None:
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+class _TextStreamer:
+    """Prints the decoded text as tokens arrive (decoding the whole output each time keeps UTF-8 intact)."""
+
+    def __init__(self, target):
+        self.target, self.ids, self.printed = target, [], 0
+
+    def __call__(self, new_ids):
+        self.ids.extend(new_ids)
+        text = self.target.decode(self.ids)
+        if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the rest
+            return
+        sys.stdout.write(text[self.printed:])
+        sys.stdout.flush()
+        self.printed = len(text)
+
+
+@click.group()
+@click.version_option(package_name="hyflash")
+def cli():
+    """hyflash: lossless speculative decoding with the HyFlash block drafter."""
+
+
+@cli.command()
+@click.argument("prompt")
+@click.option("--target", default=None, help="Embedded name (smollm2-135m), model directory, .gguf file or hub id.")
+@click.option("--drafter", default="auto", show_default=True,
+              help="none | ngram | auto (the shipped drafter) | path to a drafter checkpoint.")
+@click.option("--max-new-tokens", default=128, show_default=True, type=int)
+@click.option("--temperature", default=0.0, show_default=True, type=float, help="0 = greedy.")
+@click.option("--top-k", default=0, show_default=True, type=int)
+@click.option("--top-p", default=1.0, show_default=True, type=float)
+@click.option("--seed", default=None, type=int)
+@click.option("--chat/--no-chat", default=None, help="Wrap the prompt in the chat template (default: if the target has one).")
+@click.option("--dtype", default="bf16", show_default=True, type=click.Choice(["bf16", "fp32"]))
+@click.option("--stop", "stop_strings", multiple=True, help="Stop string (repeatable).")
+@click.option("--threads", default=None, type=int, help="torch CPU threads.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object {text, token_ids, stats} and nothing else.")
+def generate(prompt, target, drafter, max_new_tokens, temperature, top_k, top_p, seed, chat, dtype, stop_strings,
+             threads, as_json):
+    """Generate text for PROMPT, streaming it, then print the decoding statistics."""
+    _quiet_transformers()
+    from hyflash.decoding import SamplingConfig, generate as run
+    from hyflash.target import Target
+
+    if not prompt.strip():
+        raise HyflashError("the prompt is empty")
+    from hyflash.proposers import load_proposer, shipped_drafter_path
+
+    tgt = Target.load(target, dtype=dtype, threads=threads)
+    if drafter == "auto" and shipped_drafter_path(tgt) is None:
+        click.echo(f"hyflash: no drafter shipped for {tgt.name} yet; drafting with prompt lookup (ngram)", err=True)
+    proposer = load_proposer(drafter, tgt, seed=seed)
+    ids = tgt.encode(prompt, chat=chat)
+    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    streamer = None if as_json else _TextStreamer(tgt)
+    result = run(tgt, ids, proposer, max_new_tokens=max_new_tokens, sampling=sampling,
+                 stop_strings=tuple(stop_strings), on_tokens=streamer)
+    stats = result.stats.to_dict()
+    stats["drafter"] = drafter
+    stats["target"] = tgt.name
+    if as_json:
+        click.echo(json.dumps({"text": result.text, "token_ids": result.token_ids, "stats": stats}))
+        return
+    click.echo("")
+    click.echo(
+        f"\n[{stats['new_tokens']} tokens in {stats['rounds']} rounds | acceptance length "
+        f"{stats['acceptance_length']:.2f} | {stats['tokens_per_s']:.1f} tok/s | draft {stats['draft_ms']:.0f} ms, "
+        f"verify {stats['verify_ms']:.0f} ms | drafter state {stats['drafter_state_bytes']} B | "
+        f"stop: {stats['stop_reason']}]", err=True)
+
+
+def main():
+    try:
+        cli(standalone_mode=False)
+    except HyflashError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    except click.exceptions.Abort:
+        sys.exit(130)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code)
+
+
+if __name__ == "__main__":
+    main()

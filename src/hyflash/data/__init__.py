@@ -1,0 +1,1 @@
+"""Offline data: pinned sources (`sources`) and the decontaminated train/eval split (`split`)."""

@@ -1,0 +1,276 @@
+"""Speculative generation: one loop, exact verification, and the proposers that need no training.
+
+A round: the proposer drafts a block from the anchor (the last committed token, which has no target feature yet);
+the target verifies [anchor, d_1 .. d_K] in one forward; the longest accepted prefix plus one token of the
+target's own is committed; the cache is rolled back to the committed length; the proposer is told the committed
+tokens and their target features (``commit``). Plain autoregressive decoding is the same loop with K = 0.
+
+Exactness (DESIGN §1): draft x_k ~ q_k is accepted with probability min(1, p_k(x_k) / q_k(x_k)); at the first
+rejection the token is sampled from norm(max(0, p_k - q_k)); when all are accepted the bonus token comes from
+p_{K+1}. Greedy is the point-mass case of the same rule. Acceptance coins and residual/bonus samples use two
+independent random streams, neither shared with the proposer's.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Protocol
+
+import torch
+
+from hyflash import HyflashError
+
+
+# ------------------------------------------------------------------------------------------------ sampling
+@dataclass
+class SamplingConfig:
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+    def validate(self) -> None:
+        if self.temperature < 0:
+            raise HyflashError("temperature must be >= 0")
+        if self.top_k < 0:
+            raise HyflashError("top_k must be >= 0")
+        if not 0.0 < self.top_p <= 1.0:
+            raise HyflashError("top_p must be in (0, 1]")
+
+
+def target_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
+    """Processed next-token distribution(s) in fp32: temperature, then top-k, then top-p. [.., V] -> [.., V].
+
+    Greedy gives the point mass on the argmax. The same function must produce the q a drafter samples from.
+    """
+    logits = logits.float()
+    if sampling.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    logits = logits / sampling.temperature
+    if sampling.top_k and sampling.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, sampling.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if sampling.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop_sorted = cum - sorted_logits.softmax(-1) >= sampling.top_p  # keep the smallest prefix reaching top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits.softmax(-1)
+
+
+def random_stream(seed: int | None, stream: int) -> torch.Generator:
+    """An independent random stream per purpose (drafting, acceptance coins, residual/bonus samples)."""
+    base = seed if seed is not None else int(torch.randint(2**31, (1,)))
+    g = torch.Generator()
+    g.manual_seed((base * 1_000_003 + stream) % 2**63)
+    return g
+
+
+# ----------------------------------------------------------------------------------------------- proposers
+@dataclass
+class Draft:
+    tokens: list[int]  # K drafted tokens d_1..d_K
+    probs: torch.Tensor | None = None  # [K, V] fp32 distributions the tokens were sampled from; None = point masses
+
+
+class Proposer(Protocol):
+    """What the engine needs from a drafter.
+
+    ``reset`` starts a sequence; ``commit`` receives tokens the target verified and kept, with their target
+    features (rows of ``Target.forward(..).features``), in order; ``draft`` proposes up to ``block_size`` tokens
+    after ``anchor`` (the last committed token, not yet passed to ``commit``) and must not change committed state.
+    """
+
+    block_size: int
+    needs_features: bool
+
+    def reset(self, prompt_ids: list[int]) -> None: ...
+
+    def commit(self, token_ids: list[int], features: torch.Tensor | None) -> None: ...
+
+    def draft(self, anchor: int, max_tokens: int, sampling: SamplingConfig) -> Draft: ...
+
+    def state_bytes(self) -> int: ...
+
+
+class NoDraft:
+    """Plain autoregressive decoding: the denominator of every speedup."""
+
+    block_size = 0
+    needs_features = False
+
+    def reset(self, prompt_ids):
+        pass
+
+    def commit(self, token_ids, features):
+        pass
+
+    def draft(self, anchor, max_tokens, sampling):
+        return Draft([])
+
+    def state_bytes(self):
+        return 0
+
+
+# ---------------------------------------------------------------------------------------------- the loop
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    rounds: int = 0
+    acceptance_length: float = 0.0  # tokens committed per verification round, the target's own token included
+    committed_histogram: dict[int, int] = field(default_factory=dict)  # committed tokens per round -> rounds
+    prefill_ms: float = 0.0
+    draft_ms: float = 0.0
+    verify_ms: float = 0.0
+    total_ms: float = 0.0
+    tokens_per_s: float = 0.0  # new tokens / decode time (after prefill)
+    drafter_state_bytes: int = 0
+    stop_reason: str = ""
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["committed_histogram"] = {str(k): v for k, v in sorted(self.committed_histogram.items())}
+        return d
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]  # new tokens only (an EOS that ended generation is included)
+    text: str
+    stats: GenerationStats
+
+
+def verify_block(logits: torch.Tensor, draft: Draft, sampling: SamplingConfig,
+                 coin_gen: torch.Generator, sample_gen: torch.Generator) -> tuple[int, int]:
+    """Exact acceptance of a drafted block. ``logits`` [K+1, V]: row i is the target's prediction after
+    [anchor, d_1..d_i]. Returns (number of accepted drafts m, the target's token after them)."""
+    p = target_probs(logits, sampling)  # [K+1, V]
+    for i, x in enumerate(draft.tokens):
+        if sampling.greedy:
+            accept = bool(p[i, x] > 0)
+        else:
+            q_x = 1.0 if draft.probs is None else float(draft.probs[i, x])
+            u = torch.rand((), generator=coin_gen, dtype=torch.float64).item()
+            accept = q_x > 0 and u < min(1.0, float(p[i, x]) / q_x)
+        if not accept:
+            if draft.probs is None:
+                residual = p[i].clone()
+                residual[x] = 0.0
+            else:
+                residual = (p[i] - draft.probs[i]).clamp_min(0.0)
+            if sampling.greedy:
+                return i, int(residual.argmax())
+            return i, int(torch.multinomial(residual / residual.sum(), 1, generator=sample_gen))
+    k = len(draft.tokens)
+    if sampling.greedy:
+        return k, int(p[k].argmax())
+    return k, int(torch.multinomial(p[k], 1, generator=sample_gen))
+
+
+def generate(target, prompt_ids: list[int], proposer: Proposer | None = None, max_new_tokens: int = 128,
+             sampling: SamplingConfig | None = None, stop_strings: tuple[str, ...] | list[str] = (),
+             on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
+    """Generate up to ``max_new_tokens`` after ``prompt_ids`` with the target, drafting with ``proposer``.
+
+    The output equals the target's own decoding (greedy: token for token; sampling: in distribution).
+    ``on_tokens`` is called with each round's newly committed tokens (streaming).
+    """
+    sampling = sampling or SamplingConfig()
+    sampling.validate()
+    proposer = proposer or NoDraft()
+    if not prompt_ids:
+        raise HyflashError("the prompt is empty")
+    if max_new_tokens < 1:
+        raise HyflashError("max_new_tokens must be >= 1")
+    if len(prompt_ids) >= target.max_context:
+        raise HyflashError(f"the prompt has {len(prompt_ids)} tokens; the target's context window is "
+                           f"{target.max_context} (leave room for at least one new token)")
+    coin_gen, sample_gen = random_stream(sampling.seed, 1), random_stream(sampling.seed, 2)
+    stats = GenerationStats(prompt_tokens=len(prompt_ids))
+    hist: Counter[int] = Counter()
+    eos = target.eos_token_ids
+    t_start = time.perf_counter()
+
+    cache = target.new_cache()
+    out = target.forward(torch.tensor(prompt_ids), cache, features=proposer.needs_features)
+    target.rollback(cache, len(prompt_ids))
+    proposer.reset(list(prompt_ids))
+    proposer.commit(list(prompt_ids), out.features)
+    anchor = int(torch.multinomial(target_probs(out.logits[-1], sampling), 1, generator=sample_gen)) \
+        if not sampling.greedy else int(out.logits[-1].argmax())
+    t_decode = time.perf_counter()
+    stats.prefill_ms = 1e3 * (t_decode - t_start)
+
+    new: list[int] = [anchor]
+    if on_tokens:
+        on_tokens([anchor])
+    stop_reason = _stop_reason(target, new, anchor, eos, max_new_tokens, stop_strings)
+    while not stop_reason:
+        committed = len(prompt_ids) + len(new) - 1  # tokens with features; the anchor is not among them
+        room = min(max_new_tokens - len(new), target.max_context - committed - 1)
+        if room <= 0:
+            stop_reason = "context"
+            break
+        t0 = time.perf_counter()
+        draft = proposer.draft(anchor, room - 1, sampling) if room > 1 else Draft([])
+        draft.tokens = draft.tokens[:room - 1]
+        t1 = time.perf_counter()
+        out = target.forward(torch.tensor([anchor] + draft.tokens), cache, features=proposer.needs_features)
+        m, bonus = verify_block(out.logits, draft, sampling, coin_gen, sample_gen)
+        target.rollback(cache, committed + m + 1)
+        t2 = time.perf_counter()
+        stats.draft_ms += 1e3 * (t1 - t0)
+        stats.verify_ms += 1e3 * (t2 - t1)
+        accepted = [anchor] + draft.tokens[:m]
+        proposer.commit(accepted, None if out.features is None else out.features[:m + 1])
+        round_tokens = draft.tokens[:m] + [bonus]
+        stats.rounds += 1
+        # stop inside the block: EOS, stop string or token budget end the round where they occur
+        emitted = []
+        for tok in round_tokens:
+            new.append(tok)
+            emitted.append(tok)
+            stop_reason = _stop_reason(target, new, tok, eos, max_new_tokens, stop_strings)
+            if stop_reason:
+                break
+        hist[len(emitted)] += 1
+        if on_tokens:
+            on_tokens(emitted)
+        anchor = bonus
+
+    t_end = time.perf_counter()
+    text = target.decode(new)
+    if stop_reason == "stop_string":
+        text = _cut_at_stop(text, stop_strings)
+    stats.new_tokens = len(new)
+    stats.stop_reason = stop_reason
+    stats.committed_histogram = dict(hist)
+    stats.acceptance_length = sum(k * v for k, v in hist.items()) / max(1, stats.rounds)
+    stats.total_ms = 1e3 * (t_end - t_start)
+    decode_s = t_end - t_decode
+    stats.tokens_per_s = (len(new) - 1) / decode_s if decode_s > 0 and len(new) > 1 else 0.0
+    stats.drafter_state_bytes = proposer.state_bytes()
+    return GenerationResult(new, text, stats)
+
+
+def _stop_reason(target, new, tok, eos, max_new_tokens, stop_strings) -> str:
+    if tok in eos:
+        return "eos"
+    if stop_strings and any(s in target.decode(new[-64:]) for s in stop_strings):
+        return "stop_string"
+    if len(new) >= max_new_tokens:
+        return "max_new_tokens"
+    return ""
+
+
+def _cut_at_stop(text: str, stop_strings) -> str:
+    cuts = [text.find(s) for s in stop_strings if s in text]
+    return text[:min(cuts)] if cuts else text

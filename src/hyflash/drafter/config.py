@@ -1,0 +1,92 @@
+"""The drafter's configuration: one dataclass, saved as ``config.json`` next to the weights."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+from hyflash import HyflashError
+
+VARIANTS = ("hyflash", "full", "swa")
+MEMORY_KINDS = ("mamba2", "gdn")
+
+
+@dataclass
+class DrafterConfig:
+    # what the drafter is
+    variant: str = "hyflash"  # hyflash: window + memory | full: all committed features, no memory | swa: window only
+    num_layers: int = 2
+    block_size: int = 7  # draft slots: the anchor + (block_size - 1) mask slots; each slot drafts one token
+    window: int = 256  # committed features local attention sees (hyflash, swa)
+    memory: str = "mamba2"  # mamba2 | gdn
+    # ablations
+    memory_limit: int | None = None  # memory folds only the last N committed features (None: all of them)
+    slot_attention: bool = True  # draft slots attend to each other (bidirectionally)
+    causal_head_rank: int = 0  # DSpark's intra-block causal head: low-rank bias from the previous slot's token
+    # geometry
+    hidden_size: int = 576
+    num_heads: int = 9
+    num_kv_heads: int = 3
+    head_dim: int = 64
+    intermediate_size: int = 1536
+    memory_heads: int = 8
+    memory_head_dim: int = 64  # dv: values per head
+    memory_state_dim: int = 64  # dk: keys per head (Mamba-2's d_state)
+    conv_kernel: int = 4  # short causal conv over the committed stream before the memory
+    rope_theta: float = 100000.0
+    rms_eps: float = 1e-5
+    # the target it belongs to
+    vocab_size: int = 49152
+    target_hidden_size: int = 576
+    target_layers: list[int] = field(default_factory=lambda: [1, 8, 14, 20, 27])
+    target_name: str = ""
+    target_fingerprint: str = ""
+    mask_token_id: int | None = None  # None: a learned mask embedding
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        if self.variant not in VARIANTS:
+            raise HyflashError(f"unknown drafter variant {self.variant!r}; choose one of {VARIANTS}")
+        if self.memory not in MEMORY_KINDS:
+            raise HyflashError(f"unknown memory type {self.memory!r}; choose one of {MEMORY_KINDS}")
+        if not 1 <= self.num_layers <= 8:
+            raise HyflashError("num_layers must be between 1 and 8")
+        if self.block_size < 1:
+            raise HyflashError("block_size must be >= 1")
+        if self.window < 1:
+            raise HyflashError("window must be >= 1")
+        if self.num_heads % self.num_kv_heads:
+            raise HyflashError("num_heads must be a multiple of num_kv_heads")
+
+    @property
+    def has_memory(self) -> bool:
+        return self.variant == "hyflash"
+
+    @property
+    def attention_window(self) -> int | None:
+        """How many committed features local attention sees (None: all of them)."""
+        return None if self.variant == "full" else self.window
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DrafterConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise HyflashError(f"drafter config has unknown fields {sorted(unknown)} (made by a newer hyflash?)")
+        return cls(**d)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "DrafterConfig":
+        try:
+            return cls.from_dict(json.loads(Path(path).read_text()))
+        except (json.JSONDecodeError, TypeError) as e:
+            raise HyflashError(f"corrupt drafter config {path}: {e}") from None

@@ -1,0 +1,299 @@
+"""The HyFlash drafter network: feature fusion, layers with two branches (local attention + recurrent memory), heads.
+
+Every layer: h ← h + Attn(n(h)) + Mem(n(h)); h ← h + MLP(n'(h)).
+- Attn: slots attend to the last W committed features and to each other (bidirectionally).
+- Mem: the committed features are written into a fixed-size recurrent state (Mamba-2 or Gated DeltaNet); each slot
+  reads it with its own query. The write path sees only committed features, so drafting never changes it.
+
+``forward_train`` drafts blocks at many anchors of one sequence in a single pass; it computes exactly what the
+runtime (``state.DrafterState``: commit features, then draft) computes for each anchor.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hyflash.drafter import memory as mem
+from hyflash.drafter.attention import LocalAttention, RMSNorm
+from hyflash.drafter.config import DrafterConfig
+
+
+def _state_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class MemoryBranch(nn.Module):
+    """Write: committed feature c_t → causal conv → (k_t, v_t, g_t[, β_t]) folded into S (see memory.py).
+    Read: slot state x → query q, gate z; y = RMSNorm(Sᵀq) ⊙ silu(z) → out projection.
+
+    mamba2 (SSD): k = B_t, v = x_t·Δ_t, g = A·Δ_t, Δ = softplus(·+dt_bias), A = −exp(A_log) per head.
+    gdn: k, q L2-normalised, v = x_t, β = sigmoid(·), g = −exp(A_log)·softplus(·+dt_bias).
+    """
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.kind = cfg.memory
+        self.H, self.dk, self.dv, self.K = cfg.memory_heads, cfg.memory_state_dim, cfg.memory_head_dim, cfg.conv_kernel
+        d = cfg.hidden_size
+        n_k = self.dk if self.kind == "mamba2" else self.H * self.dk  # Mamba-2 shares B over heads (one group)
+        self.conv_dim = self.H * self.dv + n_k
+        n_gates = self.H * (1 if self.kind == "mamba2" else 2)  # Δ (and β for gdn)
+        self.in_proj = nn.Linear(d, self.conv_dim + n_gates, bias=False)
+        self.conv = nn.Conv1d(self.conv_dim, self.conv_dim, self.K, groups=self.conv_dim, bias=True)
+        self.q_proj = nn.Linear(d, self.H * self.dk, bias=False)
+        self.z_proj = nn.Linear(d, self.H * self.dv, bias=False)
+        self.norm = RMSNorm(self.dv, cfg.rms_eps)
+        self.out_proj = nn.Linear(self.H * self.dv, d, bias=False)
+        self.A_log = nn.Parameter(torch.log(torch.linspace(1.0, 16.0, self.H)))
+        dt = torch.exp(torch.linspace(math.log(1e-3), math.log(1e-1), self.H))
+        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # softplus⁻¹(dt)
+
+    def conv_state_shape(self) -> tuple[int, int]:
+        return (self.K - 1, self.conv_dim)
+
+    def write_inputs(self, c: torch.Tensor, conv_state: torch.Tensor | None = None):
+        """c [B, T, d] committed (fused) features → k [B,T,H,dk], v [B,T,H,dv], g [B,T,H], β [B,T,H] or None,
+        and the new conv state [B, K−1, conv_dim] (the last K−1 conv inputs)."""
+        B, T, _ = c.shape
+        proj = self.in_proj(c)
+        xk, gates = proj[..., : self.conv_dim], proj[..., self.conv_dim:]
+        if conv_state is None:
+            conv_state = xk.new_zeros(B, self.K - 1, self.conv_dim)
+        padded = torch.cat([conv_state.to(xk.dtype), xk], dim=1)  # [B, K-1+T, C]
+        new_state = padded[:, -(self.K - 1):] if self.K > 1 else padded[:, :0]
+        xk = F.silu(self.conv(padded.transpose(1, 2)).transpose(1, 2))  # [B, T, C], causal
+        x, k = xk[..., : self.H * self.dv], xk[..., self.H * self.dv:]
+        x = x.view(B, T, self.H, self.dv)
+        f = _state_dtype(c.dtype)  # decay and gates in fp32 even when the drafter runs in bf16
+        A = -torch.exp(self.A_log.to(f))
+        gates = gates.to(f)
+        if self.kind == "mamba2":
+            dt = F.softplus(gates + self.dt_bias.to(f))  # [B, T, H]
+            k = k.view(B, T, 1, self.dk).expand(B, T, self.H, self.dk)
+            v = x * dt.to(x.dtype)[..., None]
+            return k, v, (A * dt), None, new_state
+        a, b = gates[..., : self.H], gates[..., self.H:]
+        g = A * F.softplus(a + self.dt_bias.to(f))
+        k = F.normalize(k.view(B, T, self.H, self.dk), dim=-1)
+        return k, x, g, torch.sigmoid(b), new_state
+
+    def query(self, x: torch.Tensor) -> torch.Tensor:
+        """Slot states [B, Q, d] → read queries [B, H, Q, dk]."""
+        B, Q, _ = x.shape
+        q = self.q_proj(x).view(B, Q, self.H, self.dk)
+        if self.kind == "gdn":
+            q = F.normalize(q, dim=-1)
+        return q.transpose(1, 2) * self.dk ** -0.5
+
+    def output(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """x [B, Q, d] slot states, y [B, H, Q, dv] memory read → [B, Q, d]."""
+        B, Q, _ = x.shape
+        z = self.z_proj(x).view(B, Q, self.H, self.dv)
+        y = self.norm(y.transpose(1, 2).to(x.dtype)) * F.silu(z)
+        return self.out_proj(y.reshape(B, Q, self.H * self.dv))
+
+
+class MLP(nn.Module):
+    def __init__(self, d: int, hidden: int):
+        super().__init__()
+        self.gate_up = nn.Linear(d, 2 * hidden, bias=False)
+        self.down = nn.Linear(hidden, d, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class DrafterLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.attn = LocalAttention(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                   cfg.rope_theta, cfg.rms_eps)
+        self.memory = MemoryBranch(cfg) if cfg.has_memory else None
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, h, positions, ctx_k, ctx_v, mask, read_memory):
+        """h [B, Q, d]; ``read_memory(q [B,H,Q,dk]) -> [B,H,Q,dv]`` reads this layer's committed-feature memory."""
+        x = self.norm(h)
+        out = self.attn(x, positions, ctx_k, ctx_v, mask)
+        if self.memory is not None:
+            out = out + self.memory.output(x, read_memory(self.memory.query(x)))
+        h = h + out
+        return h + self.mlp(self.mlp_norm(h))
+
+
+class HyFlashDrafter(nn.Module):
+    """The drafter. ``embed_weight`` / ``head_weight`` are the target's input embedding and LM head (frozen,
+    shared, never saved with the drafter)."""
+
+    def __init__(self, cfg: DrafterConfig, embed_weight: torch.Tensor, head_weight: torch.Tensor):
+        super().__init__()
+        self.config = cfg
+        d, n_feat = cfg.hidden_size, len(cfg.target_layers)
+        # per-target-layer norm first: target features differ in scale by orders of magnitude across layers
+        self.feature_norms = nn.ModuleList(RMSNorm(cfg.target_hidden_size, cfg.rms_eps) for _ in range(n_feat))
+        self.fuse = nn.Linear(n_feat * cfg.target_hidden_size, d, bias=False)
+        self.fuse_norm = RMSNorm(d, cfg.rms_eps)
+        self.mask_embedding = nn.Parameter(torch.randn(d) * 0.02)
+        self.layers = nn.ModuleList(DrafterLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(d, cfg.rms_eps)
+        if cfg.causal_head_rank:
+            self.causal_down = nn.Linear(d, cfg.causal_head_rank, bias=False)
+            self.causal_up = nn.Linear(cfg.causal_head_rank, d, bias=False)
+            nn.init.zeros_(self.causal_up.weight)
+        self.register_buffer("embed_weight", embed_weight.detach(), persistent=False)
+        self.register_buffer("head_weight", head_weight.detach(), persistent=False)
+
+    # --------------------------------------------------------------------------------------- pieces
+    def fuse_features(self, feats: torch.Tensor) -> torch.Tensor:
+        """Target features [.., n_layers * D_t] → committed features [.., d]: per-layer RMSNorm, concat, linear,
+        RMSNorm."""
+        parts = feats.to(self.fuse.weight.dtype).chunk(len(self.feature_norms), dim=-1)
+        x = torch.cat([n(p) for n, p in zip(self.feature_norms, parts)], dim=-1)
+        return self.fuse_norm(self.fuse(x))
+
+    def slot_inputs(self, anchor_ids: torch.Tensor) -> torch.Tensor:
+        """anchor_ids [B, n] → slot inputs [B, n, S, d]: the anchor's embedding, then mask embeddings."""
+        S, d = self.config.block_size, self.config.hidden_size
+        anchor = F.embedding(anchor_ids, self.embed_weight).to(self.mask_embedding.dtype)  # [B, n, d]
+        masks = self.mask_embedding.expand(*anchor_ids.shape, S - 1, d)
+        return torch.cat([anchor[..., None, :], masks], dim=-2)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.norm(h), self.head_weight.to(h.dtype))
+
+    def causal_bias_hidden(self, prev_ids: torch.Tensor) -> torch.Tensor:
+        """DSpark's intra-block causal head: a rank-r hidden offset from the previous slot's token, which the LM head
+        turns into a low-rank logit bias."""
+        e = F.embedding(prev_ids, self.embed_weight).to(self.causal_down.weight.dtype)
+        return self.causal_up(self.causal_down(e))
+
+    # ------------------------------------------------------------------------------------- training
+    def block_mask(self, anchors: torch.Tensor, T: int) -> torch.Tensor:
+        """[B, n·S, T + n·S] bool: a slot of the block at anchor a sees committed features t < a (and t ≥ a − W with
+        a window) and the slots of its own block (only itself when slot attention is off)."""
+        cfg, S = self.config, self.config.block_size
+        B, n = anchors.shape
+        a = anchors.repeat_interleave(S, dim=1)[..., None]  # [B, Q, 1]
+        t = torch.arange(T, device=anchors.device)
+        ctx = t < a
+        if cfg.attention_window is not None:
+            ctx &= t >= a - cfg.attention_window
+        block = torch.arange(n * S, device=anchors.device) // S
+        if cfg.slot_attention:
+            slots = block[:, None] == block[None, :]
+        else:
+            slots = torch.eye(n * S, dtype=torch.bool, device=anchors.device)
+        return torch.cat([ctx, slots.expand(B, -1, -1)], dim=-1)
+
+    def forward_train(self, features: torch.Tensor, input_ids: torch.Tensor, anchors: torch.Tensor,
+                      prev_ids: torch.Tensor | None = None, return_hidden: bool = False) -> torch.Tensor:
+        """Draft a block at every anchor of a sequence in one pass.
+
+        features [B, T, n_layers·D_t] target features of positions 0..T−1; input_ids [B, T]; anchors [B, n] positions
+        (1 ≤ a < T) whose token is the anchor and whose committed prefix is 0..a−1. ``prev_ids`` [B, n, S]: the token
+        before each slot (teacher forcing of the causal head; needed only when it is on).
+        Returns logits [B, n, S, V] (or final hidden states with ``return_hidden``).
+        """
+        cfg, S = self.config, self.config.block_size
+        B, T, _ = features.shape
+        n = anchors.shape[1]
+        c = self.fuse_features(features)  # [B, T, d]
+        ctx_pos = torch.arange(T, device=c.device)
+        h = self.slot_inputs(torch.gather(input_ids, 1, anchors)).reshape(B, n * S, -1)
+        slot_pos = (anchors[..., None] + torch.arange(S, device=c.device)).reshape(B, n * S)
+        mask = self.block_mask(anchors, T)
+        q_pos = anchors.repeat_interleave(S, dim=1)  # memory for anchor a holds features 0..a−1
+        for layer in self.layers:
+            ctx_k, ctx_v = layer.attn.keys_values(c, ctx_pos)
+            read = None
+            if layer.memory is not None:
+                k, v, g, beta, _ = layer.memory.write_inputs(c)
+
+                def read(q, k=k, v=v, g=g, beta=beta, kind=layer.memory.kind):
+                    f = _state_dtype(q.dtype)  # the memory runs in fp32 (fp64 for fp64 checks)
+                    return mem.read_at(kind, k.to(f), v.to(f), g.to(f), q.to(f), q_pos,
+                                       beta=None if beta is None else beta.to(f), limit=cfg.memory_limit)
+            h = layer(h, slot_pos, ctx_k, ctx_v, mask, read)
+        h = h.view(B, n, S, -1)
+        if cfg.causal_head_rank and prev_ids is not None:
+            h = h + self.causal_bias_hidden(prev_ids) * (torch.arange(S, device=h.device) > 0)[:, None]
+        return h if return_hidden else self.logits(h)
+
+    def num_parameters(self, trainable_only: bool = True) -> int:
+        return sum(p.numel() for p in self.parameters() if p.requires_grad or not trainable_only)
+
+
+# ------------------------------------------------------------------------------------------- checkpoints
+WEIGHTS_NAME, CONFIG_NAME = "model.safetensors", "config.json"
+
+
+def target_weights(target) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's input embedding and LM head weights (shared with the drafter, frozen)."""
+    return target.model.get_input_embeddings().weight, target.model.get_output_embeddings().weight
+
+
+def new_drafter(cfg: DrafterConfig, target, dtype: torch.dtype | None = None) -> HyFlashDrafter:
+    """A freshly initialised drafter for ``target``; records the target's name and fingerprint in its config."""
+    cfg.target_name, cfg.target_fingerprint = target.name, target.fingerprint()
+    cfg.vocab_size, cfg.target_hidden_size = target.vocab_size, target.hidden_size
+    cfg.target_layers = list(target.feature_layers)
+    embed, head = target_weights(target)
+    drafter = HyFlashDrafter(cfg, embed, head)
+    return drafter.to(dtype or embed.dtype)
+
+
+def save_pretrained(drafter: HyFlashDrafter, path, dtype: torch.dtype | None = torch.bfloat16) -> None:
+    """Write ``config.json`` and ``model.safetensors`` (the drafter's own weights only; bf16 by default)."""
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    state = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).contiguous()
+             for k, v in drafter.state_dict().items()}
+    tmp = path / (WEIGHTS_NAME + ".tmp")
+    save_file(state, str(tmp), metadata={"format": "pt", "hyflash": "drafter"})
+    tmp.replace(path / WEIGHTS_NAME)
+    drafter.config.save(path / CONFIG_NAME)
+
+
+def from_pretrained(path, target, dtype: torch.dtype | None = None) -> HyFlashDrafter:
+    """Load a drafter saved by ``save_pretrained`` for ``target``. Raises HyflashError on a missing, corrupt or
+    incompatible checkpoint, or one trained for another target."""
+    from pathlib import Path
+
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    from hyflash import HyflashError
+
+    path = Path(path)
+    if not (path / CONFIG_NAME).exists() or not (path / WEIGHTS_NAME).exists():
+        raise HyflashError(f"no drafter checkpoint at {path} (expected {CONFIG_NAME} and {WEIGHTS_NAME})")
+    cfg = DrafterConfig.load(path / CONFIG_NAME)
+    fingerprint = target.fingerprint()
+    if cfg.target_fingerprint != fingerprint:
+        raise HyflashError(
+            f"drafter {path} was trained for target {cfg.target_name!r} (fingerprint {cfg.target_fingerprint}), "
+            f"not for {target.name!r} (fingerprint {fingerprint})")
+    if list(cfg.target_layers) != list(target.feature_layers):
+        target.feature_layers = list(cfg.target_layers)  # the drafter decides which target layers it reads
+    try:
+        state = load_file(str(path / WEIGHTS_NAME))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise HyflashError(f"corrupt drafter weights {path / WEIGHTS_NAME}: {e}") from None
+    embed, head = target_weights(target)
+    drafter = HyFlashDrafter(cfg, embed, head)
+    try:
+        drafter.load_state_dict(state, strict=True)
+    except RuntimeError as e:
+        raise HyflashError(f"drafter weights in {path} do not match its config: {str(e)[:300]}") from None
+    return drafter.to(dtype or embed.dtype).eval()

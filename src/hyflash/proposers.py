@@ -1,0 +1,148 @@
+"""Proposers for the speculative loop (decoding.generate): prompt lookup, random drafts, and the trained drafter.
+
+Each one is told the committed tokens (and their target features) after every verification, and drafts a block
+from the anchor without changing what it has committed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from hyflash import HyflashError
+from hyflash.decoding import Draft, NoDraft, SamplingConfig, random_stream, target_probs
+from hyflash.drafter import model as drafter_model
+from hyflash.drafter.state import DrafterState
+
+SHIPPED = Path(__file__).resolve().parent / "checkpoints"
+
+
+class NgramProposer:
+    """Prompt lookup: find the most recent earlier occurrence of the last n tokens (n from ``max_ngram`` down to
+    ``min_ngram``) in the sequence so far and propose the tokens that followed it."""
+
+    needs_features = False
+
+    def __init__(self, block_size: int = 7, max_ngram: int = 3, min_ngram: int = 1):
+        self.block_size, self.max_ngram, self.min_ngram = block_size, max_ngram, min_ngram
+        self.tokens: list[int] = []
+
+    def reset(self, prompt_ids):
+        self.tokens = []
+
+    def commit(self, token_ids, features):
+        self.tokens.extend(token_ids)
+
+    def draft(self, anchor, max_tokens, sampling):
+        seq = self.tokens + [anchor]
+        k = min(self.block_size, max_tokens)
+        for n in range(min(self.max_ngram, len(seq) - 1), self.min_ngram - 1, -1):
+            tail = seq[-n:]
+            for start in range(len(seq) - n - 1, -1, -1):  # most recent match first
+                if seq[start:start + n] == tail:
+                    cont = seq[start + n:start + n + k]
+                    if cont:
+                        return Draft(cont)
+        return Draft([])
+
+    def state_bytes(self):
+        return 8 * len(self.tokens)
+
+
+class RandomProposer:
+    """Drafts uniformly random tokens (point masses): a stress test for exactness, never a speedup."""
+
+    needs_features = False
+
+    def __init__(self, vocab_size: int, block_size: int = 7, seed: int = 0):
+        self.vocab_size, self.block_size = vocab_size, block_size
+        self.gen = random_stream(seed, 7)
+
+    def reset(self, prompt_ids):
+        pass
+
+    def commit(self, token_ids, features):
+        pass
+
+    def draft(self, anchor, max_tokens, sampling):
+        k = min(self.block_size, max_tokens)
+        return Draft(torch.randint(self.vocab_size, (k,), generator=self.gen).tolist())
+
+    def state_bytes(self):
+        return 0
+
+
+
+def shipped_drafter_path(target, variant: str = "hyflash") -> Path | None:
+    """The drafter shipped with the package for ``target``, if there is one."""
+    path = SHIPPED / target.name / variant
+    return path if (path / drafter_model.CONFIG_NAME).exists() else None
+
+
+class HyFlashProposer:
+    """Drafts a block per round from the drafter's committed state; ``draft`` never changes that state."""
+
+    needs_features = True
+
+    def __init__(self, drafter: drafter_model.HyFlashDrafter, seed: int | None = None):
+        self.drafter = drafter.eval()
+        self.block_size = drafter.config.block_size
+        self.seed = seed
+        self.state: DrafterState | None = None
+
+    @classmethod
+    def from_pretrained(cls, path, target, **kw) -> "HyFlashProposer":
+        return cls(drafter_model.from_pretrained(path, target), **kw)
+
+    def reset(self, prompt_ids):
+        self.state = DrafterState(self.drafter)
+        self.gen = random_stream(self.seed, 3)
+
+    def commit(self, token_ids, features):
+        self.state.commit(features)
+
+    @torch.no_grad()
+    def draft(self, anchor: int, max_tokens: int, sampling: SamplingConfig) -> Draft:
+        k = min(self.block_size, max_tokens)
+        if k <= 0:
+            return Draft([])
+        d = self.drafter
+        h = self.state.draft_hidden(anchor)[:k]  # [k, d]
+        causal = d.config.causal_head_rank > 0
+        if not causal:
+            logits = d.logits(h)
+            if sampling.greedy:
+                return Draft(logits.argmax(-1).tolist())
+            q = target_probs(logits, sampling)
+            return Draft(torch.multinomial(q, 1, generator=self.gen)[:, 0].tolist(), q)
+        tokens, probs, prev = [], [], anchor
+        for i in range(k):  # left to right: slot i's logits are biased by the token drafted at slot i−1
+            hi = h[i] if i == 0 else h[i] + d.causal_bias_hidden(torch.tensor(prev, device=h.device))
+            q = target_probs(d.logits(hi), sampling)
+            prev = int(q.argmax()) if sampling.greedy else int(torch.multinomial(q, 1, generator=self.gen))
+            tokens.append(prev)
+            probs.append(q)
+        return Draft(tokens, None if sampling.greedy else torch.stack(probs))
+
+    def state_bytes(self) -> int:
+        return 0 if self.state is None else self.state.nbytes()
+
+
+def load_proposer(spec: str, target, block_size: int | None = None, seed: int | None = None):
+    """``none`` | ``ngram`` | ``random`` | ``auto`` (the drafter shipped for this target, else ngram) | a drafter
+    checkpoint directory."""
+    if spec == "none":
+        return NoDraft()
+    if spec == "ngram":
+        return NgramProposer(block_size=block_size or 7)
+    if spec == "random":
+        return RandomProposer(target.vocab_size, block_size=block_size or 7, seed=seed or 0)
+    if spec == "auto":
+        path = shipped_drafter_path(target)
+        if path is None:
+            return NgramProposer(block_size=block_size or 7)
+        spec = str(path)
+    if not Path(spec).exists():
+        raise HyflashError(f"unknown drafter {spec!r}: not none/ngram/auto and no such checkpoint directory")
+    return HyFlashProposer.from_pretrained(spec, target, seed=seed)
