@@ -10,6 +10,8 @@ Decontamination drops a training record when its normalised words (lowercased, p
 share an n-gram (n = 13) with any evaluation text (turns and reference answers), or contain a shorter
 evaluation prompt (`min_verbatim_words` <= words < n) verbatim. A prompt of n words or more that occurs
 verbatim shares an n-gram, so the two tests together cover "contains an eval prompt verbatim".
+Degenerate n-grams (fewer than `min_distinct_words` distinct words that are not numbers or single
+characters, e.g. "1 2 3 ... 13") are not counted: they occur in unrelated texts.
 
 Every stage skips its work when its output exists and matches its inputs' hashes.
 
@@ -43,6 +45,7 @@ class SplitConfig:
     seed: int = 0
     ngram: int = 13
     min_verbatim_words: int = 5  # shorter eval prompts ("Rewrite it.") are not matched verbatim
+    min_distinct_words: int = 6  # n-grams with fewer distinct informative words ("1 2 3 ...") are ignored
     max_per_source: int | None = None  # seeded sample of at most this many records per source
 
 
@@ -77,6 +80,27 @@ def ngram_hashes(h: np.ndarray, n: int) -> np.ndarray:
     return out
 
 
+def informative(words: list[str], h: np.ndarray, n: int, min_distinct: int) -> np.ndarray:
+    """Mask over the n-grams of `words`: True where the n-gram has at least `min_distinct` distinct
+    informative words (two or more characters, not a number).
+
+    Runs like "6 7 8 ... 18" or "a b a b ..." occur in unrelated texts and would drop them.
+    """
+    m = len(words) - n + 1
+    if m <= 0:
+        return np.zeros(0, dtype=bool)
+    useful = np.fromiter((len(w) > 1 and not w.isdigit() for w in words), dtype=bool, count=len(words))
+    order = np.argsort(h, kind="stable")  # equal words end up adjacent, in text order
+    prev = np.full(len(words), -1, dtype=np.int64)  # index of the same word's previous occurrence
+    same = h[order[1:]] == h[order[:-1]]
+    prev[order[1:][same]] = order[:-1][same]
+    start = np.arange(m)
+    distinct = np.zeros(m, dtype=np.int64)  # [m]
+    for k in range(n):
+        distinct += useful[k:k + m] & (prev[k:k + m] < start)
+    return distinct >= min_distinct
+
+
 def eval_texts(item: dict) -> list[str]:
     """The texts of an evaluation item that training must not see: its turns and reference answers."""
     texts = list(item.get("turns") or [])
@@ -102,12 +126,18 @@ class EvalIndex:
     unchecked_short: int  # eval prompts under min_verbatim_words words
 
 
-def build_eval_index(items: list[dict], ngram: int = 13, min_verbatim_words: int = 5) -> EvalIndex:
+def build_eval_index(items: list[dict], ngram: int = 13, min_verbatim_words: int = 5,
+                     min_distinct_words: int = 6) -> EvalIndex:
+    """Index the n-grams of every evaluation text (only informative ones, see `informative`) and the
+    whole of every eval prompt of `min_verbatim_words` to n-1 words."""
     parts: dict[int, list[tuple[np.ndarray, int]]] = {}
     short = 0
     for i, item in enumerate(items):
         for text in eval_texts(item):
-            parts.setdefault(ngram, []).append((ngram_hashes(word_hashes(normalise(text)), ngram), i))
+            words = normalise(text)
+            h = word_hashes(words)
+            grams = ngram_hashes(h, ngram)[informative(words, h, ngram, min_distinct_words)]
+            parts.setdefault(ngram, []).append((grams, i))
         for turn in item.get("turns") or []:
             words = normalise(turn)
             if min_verbatim_words <= len(words) < ngram:
@@ -266,7 +296,7 @@ def prepare_split(out_dir, sources=None, max_per_source=None, cache=None,
         outputs[rel] = metas[name]["sha256"]
 
     index = build_eval_index([it for items in evals.values() for it in items], cfg.ngram,
-                             cfg.min_verbatim_words)
+                             cfg.min_verbatim_words, cfg.min_distinct_words)
     train: dict[str, list[dict]] = {"prompts": [], "documents": []}
     per_source, dropped_all = {}, []
     for s in chosen:
@@ -278,7 +308,7 @@ def prepare_split(out_dir, sources=None, max_per_source=None, cache=None,
         per_source[s.name] = {"kept": len(kept), "dropped": len(dropped),
                               "dropped_ngram": sum(d["by"] == "ngram" for d in dropped),
                               "dropped_verbatim": sum(d["by"] == "verbatim" for d in dropped),
-                              "approx_tokens": approx_tokens(kept)}
+                              "kept_approx_tokens": approx_tokens(kept)}
     for form, records in train.items():
         random.Random(f"{cfg.seed}/train_{form}").shuffle(records)
         outputs[f"train_{form}.jsonl"] = write_jsonl(out / f"train_{form}.jsonl", records)
@@ -294,6 +324,7 @@ def prepare_split(out_dir, sources=None, max_per_source=None, cache=None,
         "train": {form: {"count": len(r), "approx_tokens": approx_tokens(r)} for form, r in train.items()},
         "eval": {n: len(items) for n, items in evals.items()},
         "decontamination": {"ngram": cfg.ngram, "min_verbatim_words": cfg.min_verbatim_words,
+                            "min_distinct_words": cfg.min_distinct_words,
                             "eval_prompts_too_short_for_verbatim": index.unchecked_short,
                             "dropped": dropped_all},
         "not_available": NOT_AVAILABLE,
@@ -309,14 +340,14 @@ def split_markdown(summary: dict) -> str:
     lines = ["# Train/eval split", "",
              "Made by `python -m hyflash.data.split` (`hyflash.data.split.prepare_split`). "
              f"Seed {summary['inputs']['config']['seed']}, max per source "
-             f"{summary['inputs']['config']['max_per_source']}. Tokens are approximate (characters / 4).", "",
-             "| source | kind | package==version | sha256 | license | read | kept | dropped (13-gram / verbatim) | ~tokens |",
+             f"{summary['inputs']['config']['max_per_source'] or 'none'}. Tokens are approximate (characters / 4).", "",
+             "| source | kind | package==version | sha256 | license | read | kept | dropped (13-gram / verbatim) | ~tokens kept |",
              "|---|---|---|---|---|---|---|---|---|"]
     for n, s in summary["sources"].items():
         pkg = f"{s['package']}=={s['version']}" if s["package"] else f"local (Python {s['version']})"
         if s["kind"] == "train":
             kept, drop = s["kept"], f"{s['dropped']} ({s['dropped_ngram']} / {s['dropped_verbatim']})"
-            tok = s["approx_tokens"]
+            tok = s["kept_approx_tokens"]
         else:
             kept, drop, tok = s["count"], "-", s["approx_tokens"]
         lines.append(f"| {n} | {s['kind']} | {pkg} | `{s['sha256'] or '-'}` | {s['license']} | {s['read']} "
@@ -327,7 +358,8 @@ def split_markdown(summary: dict) -> str:
         "## Decontamination", "",
         f"A training record is dropped when its normalised words share a {d['ngram']}-gram with any "
         "evaluation turn or reference answer, or contain an evaluation prompt of "
-        f"{d['min_verbatim_words']}-{d['ngram'] - 1} words verbatim. "
+        f"{d['min_verbatim_words']}-{d['ngram'] - 1} words verbatim; {d['ngram']}-grams with fewer than "
+        f"{d['min_distinct_words']} distinct words that are not numbers or single characters do not count. "
         f"{d['eval_prompts_too_short_for_verbatim']} evaluation turns are under "
         f"{d['min_verbatim_words']} words and were not matched verbatim. "
         f"{len(d['dropped'])} records dropped (all listed in split.json).", ""]
@@ -356,7 +388,8 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     for n, s in summary["sources"].items():
-        extra = f" kept {s['kept']} dropped {s['dropped']}" if s["kind"] == "train" else ""
+        extra = (f", kept {s['kept']} (~{s['kept_approx_tokens']:,} tokens), dropped {s['dropped']}"
+                 if s["kind"] == "train" else "")
         print(f"{s['kind']:5s} {n:13s} {s['count']:7d} records ~{s['approx_tokens']:>11,} tokens{extra}")
     for form, v in summary["train"].items():
         print(f"train_{form}.jsonl: {v['count']} records, ~{v['approx_tokens']:,} tokens")
