@@ -135,6 +135,14 @@ def resolve_target_path(target: str | os.PathLike | None) -> tuple[str, str]:
     return target, target  # a hub id; transformers raises if it is unreachable
 
 
+def transformers_quiet() -> None:
+    """Silence transformers' load-time progress bars and warnings (we print our own messages)."""
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
 def default_feature_layers(num_layers: int, count: int = 5) -> list[int]:
     """Target layers whose outputs the drafter reads: ``count`` layers evenly spaced from 1 to L-3 (DFlash/DSpark)."""
     if count == 1:
@@ -182,6 +190,7 @@ class Target:
         if threads:
             torch.set_num_threads(threads)
         name, path = resolve_target_path(target)
+        transformers_quiet()
         try:
             tokenizer = AutoTokenizer.from_pretrained(path)
             model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype))
@@ -199,7 +208,7 @@ class Target:
 
     def _eos_ids(self) -> set[int]:
         ids = set()
-        for source in (getattr(self.model, "generation_config", None), self.text_config, self.tokenizer):
+        for source in (getattr(self.model, "generation_config", None), self.text_config, self.tokenizer or None):
             eos = getattr(source, "eos_token_id", None)
             if eos is None:
                 continue
@@ -283,4 +292,6 @@ class Target:
         return self.tokenizer.encode(prompt, add_special_tokens=True)
 
     def decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:  # a bare model (tests): show the ids
+            return " ".join(map(str, ids))
         return self.tokenizer.decode(ids, skip_special_tokens=True)

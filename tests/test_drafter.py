@@ -1,0 +1,191 @@
+"""The HyFlash drafter: training forward == streaming runtime, bounded state, lossless decoding, checkpoints."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import tiny_llama
+from hyflash import HyflashError
+from hyflash.decoding import SamplingConfig, generate
+from hyflash.drafter.config import DrafterConfig
+from hyflash.drafter.model import HyFlashDrafter, from_pretrained, new_drafter, save_pretrained
+from hyflash.drafter.state import DrafterState
+from hyflash.proposers import HyFlashProposer, load_proposer
+
+TINY = dict(num_layers=2, block_size=4, window=6, hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8,
+            intermediate_size=48, memory_heads=2, memory_head_dim=8, memory_state_dim=8, vocab_size=50,
+            target_hidden_size=16, target_layers=[0, 1, 2])
+
+VARIANTS = [
+    dict(variant="hyflash", memory="mamba2"),
+    dict(variant="hyflash", memory="gdn"),
+    dict(variant="full"),
+    dict(variant="swa"),
+    dict(variant="hyflash", memory="mamba2", memory_limit=5),
+    dict(variant="hyflash", memory="gdn", memory_limit=5),
+    dict(variant="hyflash", memory="mamba2", slot_attention=False),
+    dict(variant="hyflash", memory="gdn", num_layers=1),
+    dict(variant="hyflash", memory="mamba2", num_layers=3),
+]
+
+
+def tiny_drafter(seed=0, **kw):
+    torch.manual_seed(seed)
+    cfg = DrafterConfig(**{**TINY, **kw})
+    emb, head = torch.randn(cfg.vocab_size, cfg.hidden_size), torch.randn(cfg.vocab_size, cfg.hidden_size)
+    return HyFlashDrafter(cfg, emb, head).double()
+
+
+@pytest.mark.parametrize("kw", VARIANTS, ids=lambda kw: "-".join(f"{v}" for v in kw.values()))
+def test_training_forward_equals_streaming_runtime(kw):
+    """Logits at many anchors from one training pass == commit() the same features in random folds, then draft."""
+    d = tiny_drafter(**kw)
+    T = 40
+    g = torch.Generator().manual_seed(1)
+    feats = torch.randn(1, T, 3 * 16, dtype=torch.float64, generator=g) * 3
+    ids = torch.randint(50, (1, T), generator=g)
+    anchors = torch.tensor([[1, 3, 6, 7, 8, 15, 22, 30, 39]])  # inside, at and far beyond the window of 6
+    train_logits = d.forward_train(feats, ids, anchors)[0]  # [n, S, V]
+    state, done = DrafterState(d), 0
+    for j, a in enumerate(anchors[0].tolist()):
+        while done < a:  # fold 1..8 features per commit, like verification rounds
+            n = min(a - done, int(torch.randint(1, 9, (1,), generator=g)))
+            state.commit(feats[0, done:done + n])
+            done += n
+        runtime_logits = d.logits(state.draft_hidden(int(ids[0, a])))
+        torch.testing.assert_close(runtime_logits, train_logits[j], rtol=1e-10, atol=1e-10)
+
+
+def test_causal_head_training_matches_left_to_right_drafting():
+    d = tiny_drafter(causal_head_rank=4)
+    torch.nn.init.normal_(d.causal_up.weight)  # zero-initialised; make it matter
+    T, a = 20, 12
+    feats = torch.randn(1, T, 48, dtype=torch.float64)
+    ids = torch.randint(50, (1, T))
+    state = DrafterState(d)
+    state.commit(feats[0, :a])
+    h = state.draft_hidden(int(ids[0, a]))
+    drafted, prev = [], int(ids[0, a])
+    for i in range(4):  # what the proposer does: greedy, left to right
+        hi = h[i] if i == 0 else h[i] + d.causal_bias_hidden(torch.tensor(prev))
+        prev = int(d.logits(hi).argmax())
+        drafted.append(prev)
+    prev_ids = torch.tensor([[[int(ids[0, a])] + drafted[:-1]]])  # slot i sees the token drafted at slot i−1
+    train = d.forward_train(feats, ids, torch.tensor([[a]]), prev_ids=prev_ids)[0, 0]
+    assert train.argmax(-1).tolist() == drafted
+    without = d.forward_train(feats, ids, torch.tensor([[a]]))[0, 0]
+    assert not torch.allclose(train[1:], without[1:])  # the bias changes slots after the first
+
+
+def test_reading_memory_never_changes_the_state():
+    d = tiny_drafter()
+    state = DrafterState(d)
+    state.commit(torch.randn(9, 48, dtype=torch.float64))
+    before = [m.clone() for m in state.memories] + [w.k.clone() for w in state.windows]
+    first = state.draft_hidden(3)
+    for anchor in (4, 5, 3):
+        state.draft_hidden(anchor)
+    after = [m for m in state.memories] + [w.k for w in state.windows]
+    assert all(torch.equal(x, y) for x, y in zip(before, after))
+    assert torch.equal(first, state.draft_hidden(3))
+
+
+def smollm2_geometry_drafter(variant):
+    cfg = DrafterConfig(variant=variant)  # SmolLM2-135M geometry, window 256
+    emb = torch.randn(cfg.vocab_size, cfg.hidden_size) * 0.02
+    return HyFlashDrafter(cfg, emb, emb).to(torch.bfloat16)
+
+
+def state_bytes_at(drafter, context):
+    state = DrafterState(drafter)
+    feats = torch.randn(context, 5 * 576, dtype=torch.bfloat16)
+    for start in range(0, context, 512):
+        state.commit(feats[start:start + 512])
+    state.draft_hidden(1)
+    return state.nbytes()
+
+
+@pytest.mark.parametrize("variant", ["hyflash", "swa", "full"])
+def test_drafter_state_bytes_bounded_except_full(variant):
+    d = smollm2_geometry_drafter(variant)
+    b1k, b6k = state_bytes_at(d, 1024), state_bytes_at(d, 6144)
+    if variant == "full":
+        per_feature = (b6k - b1k) / 5120
+        assert per_feature == 2 * 2 * 3 * 64 * 2  # layers · (k, v) · kv heads · head_dim · bf16 bytes
+        assert b1k == 1024 * per_feature
+    else:
+        assert b1k == b6k > 0
+
+
+@pytest.mark.parametrize("kw", VARIANTS[:4], ids=lambda kw: "-".join(f"{v}" for v in kw.values()))
+def test_untrained_drafter_is_lossless_on_tiny_target(kw):
+    target = tiny_llama(vocab=50, hidden=32)
+    cfg = DrafterConfig(**{**TINY, **kw, "hidden_size": 32})
+    torch.manual_seed(0)
+    proposer = HyFlashProposer(new_drafter(cfg, target))
+    prompt = torch.randint(1, 49, (30,)).tolist()
+    plain = generate(target, prompt, None, max_new_tokens=40)
+    spec = generate(target, prompt, proposer, max_new_tokens=40)
+    assert spec.token_ids == plain.token_ids
+    assert spec.stats.rounds > 0 and spec.stats.drafter_state_bytes > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["hyflash", "full", "swa"])
+def test_untrained_drafter_is_lossless_on_smollm2(smollm2_fp32, variant):
+    target = smollm2_fp32
+    torch.manual_seed(0)
+    proposer = HyFlashProposer(new_drafter(DrafterConfig(variant=variant), target))
+    for prompt in ("Name three colours.", "Write a limerick about a cat."):
+        ids = target.encode(prompt)
+        ref = target.model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)[0, len(ids):].tolist()
+        assert generate(target, ids, proposer, max_new_tokens=16).token_ids == ref
+
+
+def test_checkpoint_round_trip_and_target_check(tmp_path):
+    target = tiny_llama(vocab=50, hidden=32)
+    cfg = DrafterConfig(**{**TINY, "hidden_size": 32})
+    drafter = new_drafter(cfg, target, dtype=torch.float32)
+    save_pretrained(drafter, tmp_path / "d", dtype=None)
+    loaded = from_pretrained(tmp_path / "d", target, dtype=torch.float32)
+    for (name, a), (_, b) in zip(drafter.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(a, b), name
+    saved = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert saved["target_fingerprint"] == target.fingerprint() and saved["target_name"] == "tiny-llama"
+
+    other = tiny_llama(vocab=50, hidden=32, seed=1)  # same geometry, different weights
+    with pytest.raises(HyflashError, match="trained for target"):
+        from_pretrained(tmp_path / "d", other)
+    with pytest.raises(HyflashError, match="no drafter checkpoint"):
+        from_pretrained(tmp_path / "missing", target)
+    with pytest.raises(HyflashError, match="unknown drafter"):
+        load_proposer(str(tmp_path / "missing"), target)
+
+    (tmp_path / "d" / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(HyflashError, match="corrupt"):
+        from_pretrained(tmp_path / "d", target)
+
+    save_pretrained(drafter, tmp_path / "e")
+    bad = json.loads((tmp_path / "e" / "config.json").read_text())
+    bad["num_layers"] = 3  # config no longer matches the weights
+    (tmp_path / "e" / "config.json").write_text(json.dumps(bad))
+    with pytest.raises(HyflashError, match="do not match"):
+        from_pretrained(tmp_path / "e", target)
+    bad["unknown_field"] = 1
+    (tmp_path / "e" / "config.json").write_text(json.dumps(bad))
+    with pytest.raises(HyflashError, match="unknown fields"):
+        from_pretrained(tmp_path / "e", target)
+
+
+def test_sampling_with_drafter_uses_its_own_distribution():
+    """At temperature 1 the proposer returns the q it sampled from (needed by the acceptance rule)."""
+    target = tiny_llama(vocab=50, hidden=32)
+    proposer = HyFlashProposer(new_drafter(DrafterConfig(**{**TINY, "hidden_size": 32}), target), seed=0)
+    proposer.reset([1, 2, 3])
+    proposer.commit([1, 2, 3], target.forward(torch.tensor([1, 2, 3]), target.new_cache()).features)
+    draft = proposer.draft(4, 7, SamplingConfig(temperature=1.0, top_k=10))
+    assert draft.probs.shape == (4, 50)
+    assert torch.allclose(draft.probs.sum(-1), torch.ones(4, dtype=draft.probs.dtype))
+    assert all(draft.probs[i, t] > 0 for i, t in enumerate(draft.tokens))
+    assert ((draft.probs > 0).sum(-1) <= 10).all()  # top-k applied to q as to p
