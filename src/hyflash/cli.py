@@ -10,13 +10,6 @@ import click
 from hyflash import HyflashError
 
 
-def _quiet_transformers() -> None:
-    import transformers
-
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-
-
 class _TextStreamer:
     """Prints the decoded text as tokens arrive (decoding the whole output each time keeps UTF-8 intact)."""
 
@@ -57,7 +50,6 @@ def cli():
 def generate(prompt, target, drafter, max_new_tokens, temperature, top_k, top_p, seed, chat, dtype, stop_strings,
              threads, as_json):
     """Generate text for PROMPT, streaming it, then print the decoding statistics."""
-    _quiet_transformers()
     from hyflash.decoding import SamplingConfig, generate as run
     from hyflash.target import Target
 

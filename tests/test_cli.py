@@ -1,0 +1,52 @@
+"""The command line: JSON output for scripts, and clear errors (no traceback) on bad input."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import tiny_llama
+from hyflash.drafter.config import DrafterConfig
+from hyflash.drafter.model import new_drafter, save_pretrained
+
+
+def hyflash(*args, timeout=300):
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    return subprocess.run([sys.executable, "-m", "hyflash.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def assert_clean_error(proc, message):
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert message in proc.stderr
+
+
+@pytest.mark.slow
+def test_generate_json_prints_one_object(smollm2_fp32):
+    proc = hyflash("generate", "Name two fruits.", "--json", "--max-new-tokens", "12", "--drafter", "ngram")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)  # stdout holds the JSON object and nothing else
+    assert set(out) == {"text", "token_ids", "stats"}
+    assert len(out["token_ids"]) <= 12 and out["text"]
+    for key in ("rounds", "acceptance_length", "tokens_per_s", "draft_ms", "verify_ms", "drafter_state_bytes",
+                "committed_histogram"):
+        assert key in out["stats"]
+    assert out["stats"]["acceptance_length"] >= 1.0
+
+
+@pytest.mark.slow
+def test_bad_input_gets_a_clear_error(smollm2_fp32, tmp_path):
+    assert_clean_error(hyflash("generate", "   "), "the prompt is empty")
+    assert_clean_error(hyflash("generate", "word " * 9000, "--no-chat"), "context window is 8192")
+    assert_clean_error(hyflash("generate", "hi", "--drafter", str(tmp_path / "nope")), "unknown drafter")
+    # a drafter checkpoint made for another target
+    tiny = tiny_llama(vocab=50, hidden=32)
+    cfg = DrafterConfig(hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=48,
+                        memory_heads=2, memory_head_dim=8, memory_state_dim=8)
+    save_pretrained(new_drafter(cfg, tiny, dtype=torch.float32), tmp_path / "other")
+    assert_clean_error(hyflash("generate", "hi", "--drafter", str(tmp_path / "other")), "trained for target")
+    assert_clean_error(hyflash("generate", "hi", "--target", str(tmp_path / "missing")), "target not found")
