@@ -155,9 +155,6 @@ def test_full_attention_cache_rolls_back_to_any_earlier_length_in_steps():
     assert_close(out, fresh(target, seq[:20]), 20, FP64_TOL, "after stepwise rollback to 0")
 
 
-@pytest.mark.xfail(strict=True, reason="src bug: Target.rollback always crops sliding-window layers to the window, "
-                   "so a second rollback before the next forward (or one reaching before the last forward's "
-                   "block) leaves them too few keys; the next forward raises a shape error")
 def test_sliding_window_rollback_in_two_steps_is_exact_or_refused():
     """Rolling back 20 -> 18 -> 16 must either give exact logits or be refused by rollback with a clear error."""
     target = with_last_layer_features(tiny_gemma3())

@@ -252,6 +252,8 @@ class Target:
         if start + ids.shape[1] > self.max_context:
             raise HyflashError(f"sequence of {start + ids.shape[1]} tokens exceeds the target's context "
                                f"window of {self.max_context}")
+        # sliding-window layers can only roll back into the block of the latest forward (see rollback)
+        cache.hyflash_floor = start
         positions = torch.arange(start, start + ids.shape[1], device=self.device)
         out = self.model(input_ids=ids, cache=cache, use_cache=True, position_ids=positions[None],
                          output_hidden_states=features, logits_to_keep=0)
@@ -266,7 +268,13 @@ class Target:
         current = self.cache_length(cache)
         if length > current or length < 0:
             raise ValueError(f"cannot roll back a cache of {current} tokens to {length}")
+        sliding = any(getattr(layer, "is_sliding", False) for layer in cache.layers)
+        if sliding and length < getattr(cache, "hyflash_floor", 0):
+            # a sliding layer keeps window-1 keys plus the latest block; older ones are gone after the first crop
+            raise ValueError(f"this target has sliding-window layers: a rollback can only drop tokens of the latest "
+                             f"forward (to >= {cache.hyflash_floor}), not to {length}")
         cache.crop(length - current)
+        cache.hyflash_floor = length
 
     # ------------------------------------------------------------- prompting
     @property
