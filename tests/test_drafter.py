@@ -27,6 +27,7 @@ VARIANTS = [
     dict(variant="hyflash", memory="mamba2", slot_attention=False),
     dict(variant="hyflash", memory="gdn", num_layers=1),
     dict(variant="hyflash", memory="mamba2", num_layers=3),
+    dict(variant="hyflash", memory="mamba2", draft_vocab_size=20),
 ]
 
 
@@ -189,3 +190,24 @@ def test_sampling_with_drafter_uses_its_own_distribution():
     assert torch.allclose(draft.probs.sum(-1), torch.ones(4, dtype=draft.probs.dtype))
     assert all(draft.probs[i, t] > 0 for i, t in enumerate(draft.tokens))
     assert ((draft.probs > 0).sum(-1) <= 10).all()  # top-k applied to q as to p
+
+
+def test_reduced_draft_vocabulary_round_trips_and_stays_lossless(tmp_path):
+    target = tiny_llama(vocab=50, hidden=32)
+    cfg = DrafterConfig(**{**TINY, "hidden_size": 32, "draft_vocab_size": 12})
+    drafter = new_drafter(cfg, target, dtype=torch.float32)
+    vocab = torch.randperm(50, generator=torch.Generator().manual_seed(0))[:12]
+    drafter.set_draft_vocab(vocab)
+    save_pretrained(drafter, tmp_path / "d", dtype=None)
+    loaded = from_pretrained(tmp_path / "d", target, dtype=torch.float32)
+    assert torch.equal(loaded.draft_vocab, vocab)
+    proposer = HyFlashProposer(loaded, seed=0)
+    prompt = torch.randint(1, 49, (20,)).tolist()
+    proposer.reset(prompt)
+    proposer.commit(prompt, target.forward(torch.tensor(prompt), target.new_cache()).features)
+    greedy = proposer.draft(5, 7, SamplingConfig())
+    assert set(greedy.tokens) <= set(vocab.tolist())  # drafts are target ids from the draft vocabulary
+    sampled = proposer.draft(5, 7, SamplingConfig(temperature=1.0))
+    assert sampled.probs.shape == (4, 50) and (sampled.probs[:, [i for i in range(50) if i not in vocab]] == 0).all()
+    plain = generate(target, prompt, None, max_new_tokens=30)
+    assert generate(target, prompt, proposer, max_new_tokens=30).token_ids == plain.token_ids

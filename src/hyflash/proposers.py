@@ -109,21 +109,22 @@ class HyFlashProposer:
             return Draft([])
         d = self.drafter
         h = self.state.draft_hidden(anchor)[:k]  # [k, d]
-        causal = d.config.causal_head_rank > 0
-        if not causal:
+        if d.config.causal_head_rank == 0:
             logits = d.logits(h)
             if sampling.greedy:
-                return Draft(logits.argmax(-1).tolist())
+                return Draft(d.token_ids(logits.argmax(-1)).tolist())
             q = target_probs(logits, sampling)
-            return Draft(torch.multinomial(q, 1, generator=self.gen)[:, 0].tolist(), q)
+            tokens = d.token_ids(torch.multinomial(q, 1, generator=self.gen)[:, 0])
+            return Draft(tokens.tolist(), d.full_vocab(q))
         tokens, probs, prev = [], [], anchor
         for i in range(k):  # left to right: slot i's logits are biased by the token drafted at slot i−1
             hi = h[i] if i == 0 else h[i] + d.causal_bias_hidden(torch.tensor(prev, device=h.device))
             q = target_probs(d.logits(hi), sampling)
-            prev = int(q.argmax()) if sampling.greedy else int(torch.multinomial(q, 1, generator=self.gen))
+            index = q.argmax() if sampling.greedy else torch.multinomial(q, 1, generator=self.gen)[0]
+            prev = int(d.token_ids(index))
             tokens.append(prev)
             probs.append(q)
-        return Draft(tokens, None if sampling.greedy else torch.stack(probs))
+        return Draft(tokens, None if sampling.greedy else d.full_vocab(torch.stack(probs)))
 
     def state_bytes(self) -> int:
         return 0 if self.state is None else self.state.nbytes()

@@ -24,6 +24,8 @@ class DrafterConfig:
     memory_limit: int | None = None  # memory folds only the last N committed features (None: all of them)
     slot_attention: bool = True  # draft slots attend to each other (bidirectionally)
     causal_head_rank: int = 0  # DSpark's intra-block causal head: low-rank bias from the previous slot's token
+    draft_vocab_size: int = 0  # >0: the LM head covers only these most frequent target tokens (EAGLE-3's reduced
+    #                            draft vocabulary); ids are mapped back to the target's, verification is unchanged
     # geometry
     hidden_size: int = 576
     num_heads: int = 9

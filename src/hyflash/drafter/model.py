@@ -149,6 +149,11 @@ class HyFlashDrafter(nn.Module):
             nn.init.zeros_(self.causal_up.weight)
         self.register_buffer("embed_weight", embed_weight.detach(), persistent=False)
         self.register_buffer("head_weight", head_weight.detach(), persistent=False)
+        if cfg.draft_vocab_size:  # saved with the drafter; set from token frequencies before training
+            self.register_buffer("draft_vocab", torch.arange(cfg.draft_vocab_size))
+            self.register_buffer("draft_head_weight", self.head_weight[: cfg.draft_vocab_size], persistent=False)
+        else:
+            self.draft_vocab = None
 
     # --------------------------------------------------------------------------------------- pieces
     def fuse_features(self, feats: torch.Tensor) -> torch.Tensor:
@@ -165,8 +170,28 @@ class HyFlashDrafter(nn.Module):
         masks = self.mask_embedding.expand(*anchor_ids.shape, S - 1, d)
         return torch.cat([anchor[..., None, :], masks], dim=-2)
 
+    def set_draft_vocab(self, token_ids: torch.Tensor) -> None:
+        """Restrict the LM head to ``token_ids`` (e.g. the target's most frequent tokens)."""
+        if self.draft_vocab is None or token_ids.numel() != self.config.draft_vocab_size:
+            raise ValueError(f"expected {self.config.draft_vocab_size} draft-vocabulary ids")
+        self.draft_vocab.copy_(token_ids)
+        self.draft_head_weight = self.head_weight[self.draft_vocab.to(self.head_weight.device)]
+
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.norm(h), self.head_weight.to(h.dtype))
+        """[.., d] → [.., V], or [.., draft_vocab_size] over the draft vocabulary (see ``token_ids``)."""
+        w = self.head_weight if self.draft_vocab is None else self.draft_head_weight
+        return F.linear(self.norm(h), w.to(h.dtype))
+
+    def token_ids(self, index: torch.Tensor) -> torch.Tensor:
+        """Indices into ``logits``' last dimension → target token ids."""
+        return index if self.draft_vocab is None else self.draft_vocab[index]
+
+    def full_vocab(self, probs: torch.Tensor) -> torch.Tensor:
+        """A distribution over ``logits``' last dimension → the same distribution over the target's vocabulary."""
+        if self.draft_vocab is None:
+            return probs
+        full = probs.new_zeros(*probs.shape[:-1], self.head_weight.shape[0])
+        return full.index_copy_(-1, self.draft_vocab, probs)
 
     def causal_bias_hidden(self, prev_ids: torch.Tensor) -> torch.Tensor:
         """DSpark's intra-block causal head: a rank-r hidden offset from the previous slot's token, which the LM head
@@ -296,4 +321,6 @@ def from_pretrained(path, target, dtype: torch.dtype | None = None) -> HyFlashDr
         drafter.load_state_dict(state, strict=True)
     except RuntimeError as e:
         raise HyflashError(f"drafter weights in {path} do not match its config: {str(e)[:300]}") from None
+    if drafter.draft_vocab is not None:
+        drafter.set_draft_vocab(drafter.draft_vocab.clone())
     return drafter.to(dtype or embed.dtype).eval()
