@@ -1,0 +1,605 @@
+"""Training the drafter: blocks drafted at sampled anchors of target-feature sequences, one readable loop.
+
+A training example is a sequence from a feature store (target features, token ids, the target's greedy labels, the
+spans of tokens to learn). We sample anchors a inside the spans; the block at a drafts S tokens in one pass (all
+anchors of a sequence in one ``forward_train``), and slot j is trained to predict ``labels[a + j]`` — the target's own
+token at position a + j + 1 — with position-decayed weights w_k = exp(−(k−1)/γ) (DFlash/DSpark):
+
+    loss = Σ_{a,k} w_k·m_{a,k}·[(1 − λ)·CE_{a,k} + λ·D_{a,k}] / Σ_{a,k} w_k·m_{a,k}
+
+m masks slots whose token a + j + 1 is past the sequence end or outside the anchor's span; D is an optional
+distillation term against the target's top-k distribution (DSpark's ‖p_d − p_t‖₁, or KL(p_t‖p_d)); λ = kl_weight.
+
+Run: ``hyflash train --recipe smollm2-hyflash --out runs/x`` or, on several processes,
+``torchrun --nproc_per_node=2 -m hyflash.train --config recipes/smollm2-hyflash.json --out runs/x``.
+A run killed at any point resumes from its last checkpoint to the same weights as an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field, fields
+from functools import lru_cache, partial
+from pathlib import Path
+from typing import Protocol
+
+import click
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from hyflash import HyflashError
+from hyflash.drafter.config import DrafterConfig
+from hyflash.drafter.model import HyFlashDrafter, new_drafter, save_pretrained
+
+RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"  # the repository's recipes/ (src layout)
+CONFIG_NAME, LOG_NAME, CKPT_DIR = "train_config.json", "log.jsonl", "checkpoints"
+
+
+# -------------------------------------------------------------------------------------------------- config
+@dataclass
+class TrainConfig:
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)  # saved as a nested dict
+    # data
+    target: str = "smollm2-135m"  # the target whose features are in the store (embedding + LM head come from it)
+    data: str = ""  # feature store directory
+    seq_len: int = 2048  # training length: longer sequences are cropped at a random offset
+    anchors_per_seq: int = 32
+    batch_seqs: int = 8  # sequences per step per process
+    val_fraction: float = 0.02  # held-out sequences (at most val_sequences of them)
+    val_sequences: int = 64
+    follow_target_path: bool = False  # also mask slot j once the text left the target's greedy path inside the block
+    # optimisation
+    steps: int = 10000
+    lr: float = 6e-4
+    min_lr: float = 6e-5
+    warmup: float = 0.04  # fraction of steps with linear warmup, then cosine to min_lr
+    weight_decay: float = 0.01
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0
+    gamma: float = 4.0  # position decay of the slot weights (DSpark: 4 for block 7)
+    kl_weight: float = 0.0  # λ: weight of the distillation term (DSpark: 0.9 with l1)
+    distill: str = "l1"  # l1: ‖p_d − p_t‖₁ on the renormalised top-k support | kl: KL(p_t ‖ p_d) on it
+    bf16: bool = True  # bf16 autocast (fp32 master weights)
+    init_from_target: bool = False  # drafter layers start as copies of target layers from the top half
+    draft_vocab: int = 0  # reduced output vocabulary (0 = the target's full vocabulary); not supported yet
+    # bookkeeping
+    seed: int = 0
+    ckpt_every: int = 250
+    keep_checkpoints: int = 2
+    eval_every: int = 250
+    threads: int = 0  # torch CPU threads per process (0: torch's default)
+
+    def __post_init__(self):
+        if isinstance(self.drafter, dict):
+            self.drafter = DrafterConfig.from_dict(self.drafter)
+        self.betas = tuple(self.betas)
+        if self.distill not in ("l1", "kl"):
+            raise HyflashError(f"distill must be 'l1' or 'kl', not {self.distill!r}")
+        if not 0.0 <= self.kl_weight <= 1.0:
+            raise HyflashError("kl_weight must be in [0, 1]")
+        if self.steps < 1 or self.batch_seqs < 1 or self.anchors_per_seq < 1:
+            raise HyflashError("steps, batch_seqs and anchors_per_seq must be >= 1")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        d = {k: v for k, v in d.items() if not k.startswith("_")}  # "_comment" keys in recipes
+        unknown = set(d) - {f.name for f in fields(cls)}
+        if unknown:
+            raise HyflashError(f"train config has unknown fields {sorted(unknown)}")
+        return cls(**d)
+
+    def save(self, path) -> None:
+        _atomic_write_text(Path(path), json.dumps(self.to_dict(), indent=2) + "\n")
+
+
+def load_recipe(name_or_path: str | os.PathLike) -> TrainConfig:
+    """A recipe by name (``recipes/<name>.json``, looked up in ./recipes then the repository's) or a JSON path."""
+    path = Path(name_or_path)
+    if not path.suffix:
+        candidates = [Path("recipes") / f"{path}.json", RECIPES_DIR / f"{path}.json"]
+        path = next((p for p in candidates if p.exists()), candidates[-1])
+    if not path.exists():
+        known = sorted(p.stem for p in RECIPES_DIR.glob("*.json"))
+        raise HyflashError(f"no recipe {name_or_path!r} (known: {', '.join(known) or 'none'})")
+    try:
+        return TrainConfig.from_dict(json.loads(path.read_text()))
+    except (json.JSONDecodeError, TypeError) as e:
+        raise HyflashError(f"bad recipe {path}: {e}") from None
+
+
+# ---------------------------------------------------------------------------------------------------- data
+class FeatureStore(Protocol):
+    """What the loop reads (``hyflash.data.features.FeatureStore`` implements it). ``store[i]`` is a dict:
+    features [T, F] bf16, input_ids [T] int64, labels [T] int64 (labels[t]: the target's greedy token at t + 1 given
+    tokens ≤ t), spans [[s, e), ..] the tokens to learn (e.g. a response), topk_vals [T, K] (the target's top-k
+    logits; their softmax is its distribution renormalised to the top-k support), topk_ids [T, K]."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, i: int) -> dict: ...
+
+
+def open_store(path: str) -> FeatureStore:
+    from hyflash.data.features import FeatureStore as Store
+
+    if not path or not Path(path).exists():
+        raise HyflashError(f"feature store not found: {path!r} (set `data` in the recipe)")
+    return Store(path)
+
+
+def check_store(store, target, cfg: TrainConfig) -> None:
+    """The store's features must come from the target layers the drafter reads (the drafter's config decides)."""
+    store_layers = (getattr(store, "config", None) or {}).get("feature_layers")  # recorded by data.features
+    if store_layers is not None and list(store_layers) != list(cfg.drafter.target_layers):
+        raise HyflashError(f"the store holds features of target layers {list(store_layers)}; the drafter config "
+                           f"reads {cfg.drafter.target_layers}")
+    target.feature_layers = list(cfg.drafter.target_layers)
+    feat_dim = _as_tensor(store[0]["features"][:1]).shape[-1]
+    if feat_dim != len(target.feature_layers) * target.hidden_size:
+        raise HyflashError(f"store features have {feat_dim} channels; target layers {target.feature_layers} give "
+                           f"{len(target.feature_layers) * target.hidden_size}")
+
+
+def split_indices(n: int, cfg: TrainConfig) -> tuple[np.ndarray, np.ndarray]:
+    """(train, val) sequence indices: a seeded random choice of min(val_sequences, ⌈val_fraction·n⌉) held out."""
+    n_val = min(cfg.val_sequences, math.ceil(cfg.val_fraction * n)) if cfg.val_fraction > 0 else 0
+    n_val = min(n_val, n - 1)
+    perm = np.random.default_rng([cfg.seed, 7]).permutation(n)
+    return np.sort(perm[n_val:]), np.sort(perm[:n_val])
+
+
+@lru_cache(maxsize=2)
+def _epoch_order(n: int, seed: int, epoch: int) -> np.ndarray:
+    return np.random.default_rng([seed, epoch]).permutation(n)
+
+
+def sequence_ids(train_idx: np.ndarray, seed: int, position: int, count: int) -> list[int]:
+    """Sequences ``position .. position+count−1`` of the data order (a fresh seeded permutation every epoch): a pure
+    function of the position, which is all a checkpoint needs to continue the same order."""
+    n = len(train_idx)
+    return [int(train_idx[_epoch_order(n, seed, p // n)[p % n]]) for p in range(position, position + count)]
+
+
+def _as_tensor(x) -> torch.Tensor:
+    return x if isinstance(x, torch.Tensor) else torch.as_tensor(np.asarray(x))
+
+
+def supervised_labels(spans, T: int, offset: int = 0) -> torch.Tensor:
+    """[T] bool: labels[t] is supervised — tokens t and t + 1 both lie in a span. (A span [s, e) marks tokens the
+    drafter learns to predict, e.g. a response; labels[t] is the target's token at t + 1.) ``offset``: where a crop of
+    the sequence starts (spans are given in the uncropped sequence)."""
+    inside = torch.zeros(T + 1, dtype=torch.bool)
+    for s, e in spans:
+        inside[max(s - offset, 0):max(min(e - offset, T), 0)] = True
+    return inside[:-1] & inside[1:]
+
+
+def sample_anchors(supervised: torch.Tensor, n: int, rng: np.random.Generator) -> torch.Tensor:
+    """Up to n distinct anchors a ≥ 1 whose own label (slot 0) is supervised, sorted."""
+    valid = torch.nonzero(supervised[1:])[:, 0] + 1
+    if len(valid) > n:
+        valid = torch.from_numpy(np.sort(rng.choice(valid.numpy(), size=n, replace=False)))
+    return valid
+
+
+def block_targets(labels, input_ids, supervised, anchors, S: int, follow_target_path: bool = False):
+    """targets [n, S] = labels[a + j] and mask [n, S]: labels[a..a+j] all supervised (the block stays inside the
+    anchor's span and the sequence); with ``follow_target_path`` also tokens a+1..a+j equal the target's greedy
+    tokens, so the block is one the target could have accepted."""
+    T = len(labels)
+    pos = (anchors[:, None] + torch.arange(S)).clamp(max=T - 1)  # [n, S]
+    ok = supervised[pos] & (anchors[:, None] + torch.arange(S) < T)
+    if follow_target_path and S > 1:
+        ok[:, 1:] &= input_ids[pos[:, 1:]] == labels[pos[:, 1:] - 1]  # token a+j was the target's choice
+    mask = torch.cumprod(ok.long(), dim=1).bool()
+    return labels[pos], mask, pos
+
+
+def make_batch(store, ids: list[int], cfg: TrainConfig, rng: np.random.Generator, with_topk: bool) -> dict:
+    """Crop, sample anchors, gather targets; pad to the longest sequence and the most anchors (padding is masked).
+
+    Returns features [B, T, F], input_ids [B, T], anchors [B, n], prev_ids [B, n, S] (the token before each slot,
+    for the causal head), targets/mask [B, n, S], and topk_vals/topk_ids [B, n, S, K] when ``with_topk``."""
+    S = cfg.drafter.block_size
+    rows = []
+    for i in ids:
+        item = store[i]
+        T_full = len(item["input_ids"])
+        start = int(rng.integers(0, T_full - cfg.seq_len + 1)) if T_full > cfg.seq_len else 0
+        crop = slice(start, start + cfg.seq_len)
+        ids_ = _as_tensor(item["input_ids"][crop]).long()
+        labels = _as_tensor(item["labels"][crop]).long()
+        sup = supervised_labels(item["spans"], len(ids_), start)
+        anchors = sample_anchors(sup, cfg.anchors_per_seq, rng)
+        targets, mask, pos = block_targets(labels, ids_, sup, anchors, S, cfg.follow_target_path)
+        prev = torch.cat([ids_[anchors][:, None], targets[:, :-1]], dim=1)  # slot j follows labels[a+j−1]
+        row = dict(features=_as_tensor(item["features"][crop]), input_ids=ids_, anchors=anchors, prev_ids=prev,
+                   targets=targets, mask=mask)
+        if with_topk:
+            row["topk_vals"] = _as_tensor(item["topk_vals"][crop])[pos]
+            row["topk_ids"] = _as_tensor(item["topk_ids"][crop]).long()[pos]
+        rows.append(row)
+    T = max(len(r["input_ids"]) for r in rows)
+    n = max(1, max(len(r["anchors"]) for r in rows))
+
+    def pad(x, length):  # pad dim 0 with zeros (anchor 0, token 0, masked)
+        return F.pad(x, [0, 0] * (x.dim() - 1) + [0, length - x.shape[0]])
+
+    batch = {k: torch.stack([pad(r[k], T if k in ("features", "input_ids") else n) for r in rows]) for k in rows[0]}
+    batch.setdefault("topk_vals", None)
+    batch.setdefault("topk_ids", None)
+    return batch
+
+
+# ---------------------------------------------------------------------------------------------------- loss
+def position_weights(S: int, gamma: float) -> torch.Tensor:
+    """w_k = exp(−(k−1)/γ) for slots k = 1..S (unnormalised: w_1 = 1; the loss divides by Σ w·mask)."""
+    return torch.exp(-torch.arange(S, dtype=torch.float32) / gamma)
+
+
+def distill_term(logits, lse, topk_vals, topk_ids, kind: str) -> torch.Tensor:
+    """Distance to the target's top-k distribution p_t (renormalised on its support 𝒦), per slot [..]:
+    l1: ‖p_d − p_t‖₁ = Σ_𝒦 |p_d − p_t| + (1 − Σ_𝒦 p_d);  kl: Σ_𝒦 p_t (log p_t − log p_d)."""
+    lp_t = topk_vals.float().log_softmax(-1)  # [.., K]
+    lp_d = logits.gather(-1, topk_ids).float() - lse[..., None]
+    p_t, p_d = lp_t.exp(), lp_d.exp()
+    if kind == "kl":
+        return torch.where(p_t > 0, p_t * (lp_t - lp_d), 0.0).sum(-1)
+    return (p_d - p_t).abs().sum(-1) + (1 - p_d.sum(-1)).clamp_min(0)
+
+
+def block_loss(logits, targets, mask, weights, kl_weight=0.0, topk_vals=None, topk_ids=None, distill="l1"):
+    """logits [B, n, S, V], targets/mask [B, n, S], weights [S] → (loss, per-slot correct [S], per-slot count [S])."""
+    lse = logits.float().logsumexp(-1)  # [B, n, S]
+    per = lse - logits.gather(-1, targets[..., None])[..., 0].float()  # cross-entropy against the target's token
+    if kl_weight > 0:
+        per = (1 - kl_weight) * per + kl_weight * distill_term(logits, lse, topk_vals, topk_ids, distill)
+    w = weights.to(per.device) * mask
+    loss = (per * w).sum() / w.sum().clamp_min(1e-9)
+    correct = ((logits.argmax(-1) == targets) & mask).sum((0, 1))
+    return loss, correct, mask.sum((0, 1))
+
+
+def accepted_prefix(logits, targets, mask) -> torch.Tensor:
+    """Per anchor, the length of the longest prefix of argmax drafts that are all correct (a masked slot ends it)."""
+    ok = (logits.argmax(-1) == targets) & mask  # [B, n, S]
+    return torch.cumprod(ok.long(), dim=-1).sum(-1)  # [B, n]
+
+
+# ------------------------------------------------------------------------------------------ model set-up
+def lr_factor(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup over warmup·steps, then cosine from lr to min_lr (a multiplier of lr)."""
+    warm = max(1, round(cfg.warmup * cfg.steps))
+    if step < warm:
+        return (step + 1) / warm
+    t = min(1.0, (step - warm) / max(1, cfg.steps - warm))
+    return (cfg.min_lr + 0.5 * (1 + math.cos(math.pi * t)) * (cfg.lr - cfg.min_lr)) / cfg.lr
+
+
+def make_optimizer(drafter: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW; matrices decay, vectors (norms, biases, gates, the mask embedding) do not."""
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas)
+
+
+def top_half_layers(n_target: int, n_drafter: int) -> list[int]:
+    """Target layers to copy: evenly spaced over the top half, the last one being the target's last layer."""
+    lo, hi = n_target // 2, n_target - 1
+    return [round(lo + (hi - lo) * (i + 1) / n_drafter) for i in range(n_drafter)]
+
+
+@torch.no_grad()
+def init_from_target(drafter: HyFlashDrafter, target) -> list[str]:
+    """Copy attention q/k/v/o (and q/k norms where the target has them), MLP gate/up/down and both norms from target
+    layers chosen by ``top_half_layers``, and the target's final norm. Anything whose shape differs is skipped, except
+    a drafter MLP wider than the target's: the target's units go first and the extra units start with zero output
+    weights, so the widened MLP computes the target's MLP at initialisation. Returns what was copied."""
+    t_layers = target.model.get_decoder().layers
+    copied = []
+
+    def put(dst: torch.Tensor, src: torch.Tensor | None, name: str):
+        if src is not None and dst.shape == src.shape:
+            dst.copy_(src.to(dst.dtype))
+            copied.append(name)
+
+    for i, j in enumerate(top_half_layers(len(t_layers), len(drafter.layers))):
+        d, t = drafter.layers[i], t_layers[j]
+        att, mlp = t.self_attn, t.mlp
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            put(getattr(d.attn, name).weight, getattr(att, name).weight, f"layers.{i}.attn.{name} <- {j}")
+        for name in ("q_norm", "k_norm"):
+            if hasattr(att, name):
+                put(getattr(d.attn, name).weight, getattr(att, name).weight, f"layers.{i}.attn.{name} <- {j}")
+        put(d.norm.weight, t.input_layernorm.weight, f"layers.{i}.norm <- {j}")
+        put(d.mlp_norm.weight, t.post_attention_layernorm.weight, f"layers.{i}.mlp_norm <- {j}")
+        gate, up, down = mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight  # [I, d], [I, d], [d, I]
+        I, I_d = gate.shape[0], d.mlp.down.weight.shape[1]
+        if d.mlp.gate_up.weight.shape[1] == gate.shape[1] and d.mlp.down.weight.shape[0] == down.shape[0] and I <= I_d:
+            d.mlp.gate_up.weight[:I] = gate  # gate first, then up
+            d.mlp.gate_up.weight[I_d:I_d + I] = up
+            d.mlp.down.weight.zero_()[:, :I] = down
+            copied.append(f"layers.{i}.mlp <- {j}" + (f" (widened {I} -> {I_d})" if I < I_d else ""))
+    put(drafter.norm.weight, getattr(target.model.get_decoder(), "norm", None).weight, "norm <- final norm")
+    return copied
+
+
+class BlockDrafting(nn.Module):
+    """What DDP wraps: its forward is the drafter's training forward (DDP syncs gradients of what forward uses)."""
+
+    def __init__(self, drafter: HyFlashDrafter):
+        super().__init__()
+        self.drafter = drafter
+
+    def forward(self, features, input_ids, anchors, prev_ids=None):
+        return self.drafter.forward_train(features, input_ids, anchors, prev_ids=prev_ids)
+
+
+# ------------------------------------------------------------------------------------------- validation
+@torch.no_grad()
+def evaluate(drafter: HyFlashDrafter, store, val_idx, cfg: TrainConfig) -> dict:
+    """Per-slot accuracy and τ̂ = 1 + mean over anchors of the longest all-correct prefix of argmax drafts, on the
+    held-out sequences with fixed anchors."""
+    was_training = drafter.training
+    drafter.eval()
+    S = cfg.drafter.block_size
+    correct, count, prefix, anchors = torch.zeros(S), torch.zeros(S), 0.0, 0
+    for k in range(0, len(val_idx), cfg.batch_seqs):
+        ids = [int(i) for i in val_idx[k:k + cfg.batch_seqs]]
+        b = make_batch(store, ids, cfg, np.random.default_rng([cfg.seed, 99, k]), with_topk=False)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+            logits = drafter.forward_train(b["features"], b["input_ids"], b["anchors"], prev_ids=b["prev_ids"])
+        ok = (logits.argmax(-1) == b["targets"]) & b["mask"]
+        correct += ok.sum((0, 1)).float()
+        count += b["mask"].sum((0, 1)).float()
+        real = b["mask"][..., 0]  # padded anchors have no supervised slot
+        prefix += float(accepted_prefix(logits, b["targets"], b["mask"])[real].sum())
+        anchors += int(real.sum())
+    drafter.train(was_training)
+    acc = (correct / count.clamp_min(1)).tolist()
+    return {"val_acc": [round(a, 4) for a in acc], "val_tau": round(1 + prefix / max(anchors, 1), 4),
+            "val_anchors": anchors}
+
+
+# ------------------------------------------------------------------------------------------- checkpoints
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def checkpoints(out_dir: Path) -> list[Path]:
+    return sorted((out_dir / CKPT_DIR).glob("step_*.pt"))
+
+
+def save_checkpoint(out_dir: Path, state: dict, keep: int) -> Path:
+    """Write checkpoints/step_NNNNNNN.pt atomically (temp file + rename) and keep only the last ``keep``."""
+    path = out_dir / CKPT_DIR / f"step_{state['step']:07d}.pt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(state, tmp)
+    tmp.replace(path)
+    for old in checkpoints(out_dir)[:-keep]:
+        old.unlink()
+    return path
+
+
+def rng_states() -> dict:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+
+def set_rng_states(s: dict) -> None:
+    random.setstate(s["python"])
+    np.random.set_state(s["numpy"])
+    torch.set_rng_state(s["torch"])
+
+
+def _truncate_log(path: Path, step: int) -> None:
+    """On resume, drop log lines the killed run wrote after its last checkpoint (they are about to be redone)."""
+    if path.exists():
+        keep = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+        _atomic_write_text(path, "".join(line + "\n" for line in keep))
+
+
+# ------------------------------------------------------------------------------------------ distributed
+def setup_distributed() -> tuple[int, int]:
+    """(rank, world size). Under torchrun (WORLD_SIZE > 1) joins the process group (gloo: CPU)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("gloo")
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def all_sum(x: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized():
+        dist.all_reduce(x)
+    return x
+
+
+# ------------------------------------------------------------------------------------------------- train
+def train(cfg: TrainConfig, out_dir, target=None, store=None, resume: bool = True,
+          stop_at: int | None = None) -> HyFlashDrafter:
+    """Train a drafter for ``cfg.steps`` steps into ``out_dir`` (config, log.jsonl, checkpoints/, final/, loss.png).
+
+    ``target``/``store`` default to ``Target.load(cfg.target)`` and the feature store at ``cfg.data``. With
+    ``resume`` a run continues from its latest checkpoint. ``stop_at`` ends the run after that step as if it were
+    killed there (no final export). Returns the drafter (fp32)."""
+    if cfg.draft_vocab:
+        raise NotImplementedError("draft_vocab (a reduced output vocabulary) is not supported by the drafter yet")
+    out_dir = Path(out_dir)
+    rank, world = setup_distributed()
+    main = rank == 0
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    found = checkpoints(out_dir)
+    if found and not resume:
+        raise HyflashError(f"{out_dir} already holds checkpoints; resume it or choose another output directory")
+
+    # ---- data, target, model, optimiser
+    store = store if store is not None else open_store(cfg.data)
+    if target is None:
+        from hyflash.target import Target
+
+        target = Target.load(cfg.target, dtype="bf16", feature_layers=cfg.drafter.target_layers)
+    check_store(store, target, cfg)
+    train_idx, val_idx = split_indices(len(store), cfg)
+    torch.manual_seed(cfg.seed)
+    drafter = new_drafter(DrafterConfig.from_dict(cfg.drafter.to_dict()), target, dtype=torch.float32).train()
+    if cfg.init_from_target and not found:
+        copied = init_from_target(drafter, target)
+        if main:
+            print(f"hyflash: initialised {len(copied)} tensors from the target: {copied}", file=sys.stderr)
+    model = BlockDrafting(drafter)
+    if world > 1:
+        model = nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)  # embed/head buffers are frozen
+    opt = make_optimizer(drafter, cfg)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, partial(lr_factor, cfg=cfg))
+    weights = position_weights(cfg.drafter.block_size, cfg.gamma)
+    step, position, elapsed_before = 0, 0, 0.0
+    if found:  # resume exactly: weights, optimiser, schedule, RNG, place in the data order
+        ckpt = torch.load(found[-1], map_location="cpu", weights_only=False)  # our own file (holds RNG states)
+        drafter.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["optimizer"])
+        sched.load_state_dict(ckpt["scheduler"])
+        set_rng_states(ckpt["rng"])
+        step, position, elapsed_before = ckpt["step"], ckpt["data_position"], ckpt["elapsed"]
+        if main:
+            print(f"hyflash: resuming {out_dir} at step {step}", file=sys.stderr)
+    if main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        cfg.save(out_dir / CONFIG_NAME)
+        _truncate_log(out_dir / LOG_NAME, step)
+        print(f"hyflash: {cfg.drafter.variant} drafter, {drafter.num_parameters():,} trainable parameters; "
+              f"{len(train_idx)} train / {len(val_idx)} val sequences; {world} process(es)", file=sys.stderr)
+
+    # ---- the loop
+    from tqdm import tqdm
+
+    t0 = time.perf_counter()
+    bar = tqdm(total=cfg.steps, initial=step, disable=not main, dynamic_ncols=True)
+    log = open(out_dir / LOG_NAME, "a") if main else None
+    while step < cfg.steps:
+        t_step = time.perf_counter()
+        rng = np.random.default_rng([cfg.seed, step, rank])  # crops and anchors: a function of (seed, step, rank)
+        ids = sequence_ids(train_idx, cfg.seed, position + rank * cfg.batch_seqs, cfg.batch_seqs)
+        b = make_batch(store, ids, cfg, rng, with_topk=cfg.kl_weight > 0)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+            logits = model(b["features"], b["input_ids"], b["anchors"], b["prev_ids"])  # [B, n, S, V]
+        loss, correct, count = block_loss(logits, b["targets"], b["mask"], weights, cfg.kl_weight,
+                                          b["topk_vals"], b["topk_ids"], cfg.distill)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
+        lr = opt.param_groups[0]["lr"]
+        opt.step()
+        sched.step()
+        step, position = step + 1, position + world * cfg.batch_seqs
+
+        stats = all_sum(torch.cat([loss.detach()[None] / world, correct.float(), count.float(),
+                                   b["mask"][..., 0].sum()[None].float()]))  # mean loss, slot counts, anchors
+        S = cfg.drafter.block_size
+        acc = (stats[1:1 + S] / stats[1 + S:1 + 2 * S].clamp_min(1)).tolist()
+        if main:
+            elapsed = elapsed_before + time.perf_counter() - t0
+            rec = {"step": step, "loss": round(stats[0].item(), 5), "acc": [round(a, 4) for a in acc],
+                   "lr": lr, "grad_norm": round(float(grad_norm), 4),
+                   "anchors_per_s": round(stats[-1].item() / (time.perf_counter() - t_step), 1),
+                   "elapsed": round(elapsed, 2)}
+            if step % cfg.eval_every == 0 or step == cfg.steps:
+                if len(val_idx):
+                    rec.update(evaluate(drafter, store, val_idx, cfg))
+            log.write(json.dumps(rec) + "\n")
+            log.flush()
+            bar.set_postfix_str(f"loss {rec['loss']:.3f} acc " + " ".join(f"{a * 100:.0f}" for a in acc)
+                                + (f" | val τ̂ {rec['val_tau']:.2f}" if "val_tau" in rec else ""))
+            bar.update(1)
+            if step % cfg.ckpt_every == 0 or step == cfg.steps:
+                save_checkpoint(out_dir, {
+                    "step": step, "data_position": position, "elapsed": elapsed, "model": drafter.state_dict(),
+                    "optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "rng": rng_states(),
+                    "config": cfg.to_dict()}, cfg.keep_checkpoints)
+        if stop_at is not None and step >= stop_at:
+            break
+    bar.close()
+
+    # ---- export
+    if main:
+        log.close()
+        if step >= cfg.steps:
+            save_pretrained(drafter, out_dir / "final", dtype=torch.bfloat16)
+            plot_losses(out_dir)
+    if dist.is_initialized():
+        dist.barrier()
+    return drafter
+
+
+def plot_losses(out_dir) -> Path | None:
+    """out_dir/loss.png: training loss per step (and held-out τ̂) from log.jsonl."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("hyflash: matplotlib is not installed (pip install 'hyflash[plot]'); skipping loss.png", file=sys.stderr)
+        return None
+    out_dir = Path(out_dir)
+    recs = [json.loads(line) for line in (out_dir / LOG_NAME).read_text().splitlines() if line]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r["step"] for r in recs], [r["loss"] for r in recs], lw=0.8, label="train loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    val = [r for r in recs if "val_tau" in r]
+    if val:
+        ax2 = ax.twinx()
+        ax2.plot([r["step"] for r in val], [r["val_tau"] for r in val], "o-", color="C1", label="held-out τ̂")
+        ax2.set_ylabel("held-out τ̂ (acceptance-length proxy)")
+        ax.legend(ax.get_lines() + ax2.get_lines(), ["train loss", "held-out τ̂"], loc="center right")
+    ax.set_title(out_dir.name)
+    fig.tight_layout()
+    path = out_dir / "loss.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------- CLI
+@click.command("train")
+@click.option("--recipe", "--config", "recipe", required=True,
+              help="Recipe name (e.g. smollm2-hyflash) or path to a TrainConfig JSON.")
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="Output directory.")
+@click.option("--steps", type=int, default=None, help="Override the recipe's number of steps.")
+@click.option("--data", default=None, help="Override the recipe's feature store directory.")
+@click.option("--resume/--no-resume", default=True, show_default=True,
+              help="Continue from the latest checkpoint in --out (--no-resume refuses a directory that has one).")
+def train_command(recipe, out, steps, data, resume):
+    """Train a drafter from a recipe; resumable; several processes under torchrun."""
+    cfg = load_recipe(recipe)
+    if steps is not None:
+        cfg.steps = steps
+    if data is not None:
+        cfg.data = data
+    train(cfg, out, resume=resume)
+
+
+if __name__ == "__main__":
+    try:
+        train_command.main(standalone_mode=False)
+    except HyflashError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,228 @@
+"""The training loop: it learns, resumes bit-for-bit, exports a lossless drafter, samples anchors inside the spans,
+weights slots as specified; the recipes match their parameter budgets."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import tiny_llama
+from hyflash.decoding import generate
+from hyflash.drafter.config import DrafterConfig
+from hyflash.drafter.model import HyFlashDrafter, from_pretrained
+from hyflash.proposers import HyFlashProposer
+from hyflash.train import (TrainConfig, block_loss, block_targets, checkpoints, distill_term, init_from_target,
+                           load_recipe, make_batch, position_weights, top_half_layers, train)
+
+VOCAB = 32
+DRAFTER = dict(num_layers=2, block_size=4, window=6, hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8,
+               intermediate_size=64, memory_heads=2, memory_head_dim=8, memory_state_dim=8, target_layers=[0, 1])
+
+
+class FakeStore:
+    """An in-memory feature store made with the tiny target's real forward: the prompt is random, the answer is the
+    target's own greedy continuation (as regenerated data is), spans cover the answer."""
+
+    def __init__(self, target, n=10, prompt_len=8, answer_len=40, k=8, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        self.items = []
+        for _ in range(n):
+            prompt = torch.randint(1, VOCAB - 1, (prompt_len,), generator=g).tolist()
+            answer = generate(target, prompt, None, max_new_tokens=answer_len).token_ids
+            ids = torch.tensor(prompt + answer)
+            out = target.forward(ids, target.new_cache())
+            logp = out.logits.log_softmax(-1)
+            vals, top = logp.topk(k, dim=-1)
+            self.items.append(dict(features=out.features.to(torch.bfloat16), input_ids=ids,
+                                   labels=out.logits.argmax(-1), spans=[[prompt_len, len(ids)]],
+                                   topk_vals=vals.half(), topk_ids=top.int()))
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+
+def tiny_target():
+    t = tiny_llama(vocab=VOCAB, hidden=32)
+    with torch.no_grad():  # a random model's logits are near-uniform; sharpen them (greedy tokens are unchanged)
+        t.model.lm_head.weight.mul_(30)
+    return t
+
+
+@pytest.fixture(scope="module")
+def target():
+    torch.set_num_threads(1)
+    return tiny_target()
+
+
+@pytest.fixture(scope="module")
+def store(target):
+    return FakeStore(target)
+
+
+def tiny_config(**kw) -> TrainConfig:
+    base = dict(drafter=dict(DRAFTER), seq_len=64, anchors_per_seq=8, batch_seqs=2, steps=6, lr=3e-3, min_lr=3e-4,
+                warmup=0.1, val_fraction=0.2, val_sequences=2, ckpt_every=3, eval_every=3, seed=0, bf16=True)
+    return TrainConfig(**{**base, **kw})
+
+
+def params(drafter):
+    return {k: v.detach().clone() for k, v in drafter.named_parameters()}
+
+
+# ------------------------------------------------------------------------------------------------ learning
+def test_loss_decreases_on_memorisable_fixture(target, store, tmp_path):
+    train(tiny_config(steps=30, eval_every=30, ckpt_every=30), tmp_path, target, store)
+    log = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in log]
+    assert len(losses) == 30
+    assert np.mean(losses[-5:]) < 0.6 * np.mean(losses[:5])
+    assert np.mean([r["acc"][0] for r in log[-5:]]) > np.mean([r["acc"][0] for r in log[:5]]) + 0.2
+    assert len(log[-1]["acc"]) == 4 and 1.0 <= log[-1]["val_tau"] <= 5.0
+    assert {"step", "loss", "acc", "lr", "anchors_per_s", "elapsed"} <= set(log[0])
+
+
+# --------------------------------------------------------------------------------------------- resume
+def test_killed_and_resumed_run_reaches_the_same_weights(target, store, tmp_path):
+    cfg = tiny_config(steps=6, ckpt_every=1, kl_weight=0.5)
+    straight = params(train(cfg, tmp_path / "straight", target, store))
+    train(cfg, tmp_path / "killed", target, store, stop_at=3)  # "killed" after step 3
+    assert [p.name for p in checkpoints(tmp_path / "killed")] == ["step_0000002.pt", "step_0000003.pt"]
+    assert not (tmp_path / "killed" / "final").exists()
+    resumed = params(train(cfg, tmp_path / "killed", target, store))
+    assert straight.keys() == resumed.keys()
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+    log = [json.loads(line)["step"] for line in (tmp_path / "killed" / "log.jsonl").read_text().splitlines()]
+    assert log == [1, 2, 3, 4, 5, 6]
+    ckpt = torch.load(checkpoints(tmp_path / "killed")[-1], weights_only=False)
+    assert {"model", "optimizer", "scheduler", "step", "rng", "data_position"} <= set(ckpt)
+    assert ckpt["data_position"] == 6 * cfg.batch_seqs
+
+
+def test_no_resume_refuses_a_directory_with_checkpoints(target, store, tmp_path):
+    cfg = tiny_config(steps=2, ckpt_every=1)
+    train(cfg, tmp_path, target, store)
+    with pytest.raises(ValueError, match="already holds checkpoints"):
+        train(cfg, tmp_path, target, store, resume=False)
+
+
+# ------------------------------------------------------------------------------------------- the export
+def test_final_checkpoint_drives_lossless_decoding(target, store, tmp_path):
+    train(tiny_config(steps=4, init_from_target=True), tmp_path, target, store)
+    assert (tmp_path / "train_config.json").exists() and (tmp_path / "loss.png").exists()
+    drafter = from_pretrained(tmp_path / "final", target)
+    prompt = torch.randint(1, VOCAB - 1, (12,), generator=torch.Generator().manual_seed(5)).tolist()
+    plain = generate(target, prompt, None, max_new_tokens=30)
+    spec = generate(target, prompt, HyFlashProposer(drafter), max_new_tokens=30)
+    assert spec.token_ids == plain.token_ids
+    assert spec.stats.rounds < len(plain.token_ids)  # it drafted (and some drafts were accepted)
+
+
+# ---------------------------------------------------------------------------------------------- the pieces
+def test_anchors_and_supervised_slots_stay_inside_spans():
+    """Anchors lie in a span; slot j (learning labels[a + j], the token at a + j + 1) is supervised exactly when
+    tokens a .. a + j + 1 all lie in the anchor's span and inside the (cropped) sequence."""
+    T, S, L = 50, 4, 24
+    spans = [[3, 10], [20, 22], [30, 46]]
+    inside = torch.zeros(T + 1, dtype=torch.bool)
+    for s, e in spans:
+        inside[s:e] = True
+    item = dict(features=torch.zeros(T, 4, dtype=torch.bfloat16), input_ids=torch.arange(T), labels=torch.arange(T) + 1,
+                spans=spans, topk_vals=torch.zeros(T, 2), topk_ids=torch.zeros(T, 2, dtype=torch.int32))
+    cfg = tiny_config(seq_len=L, anchors_per_seq=5)
+    seen = set()
+    for seed in range(40):  # random crops of 24 out of 50 tokens and random anchors
+        b = make_batch([item], [0], cfg, np.random.default_rng(seed), with_topk=True)
+        start = int(b["input_ids"][0, 0])  # input_ids are positions, so the crop's first id is its offset
+        real = b["mask"][0, :, 0]
+        anchors = b["anchors"][0][real] + start
+        assert len(anchors) > 0 and (anchors >= start + 1).all() and inside[anchors].all()
+        seen.update(anchors.tolist())
+        for a, m, t in zip(anchors.tolist(), b["mask"][0][real], b["targets"][0][real]):
+            expect = [all(inside[a:a + j + 2]) and a + j + 1 < start + L for j in range(S)]
+            assert m.tolist() == expect
+            assert torch.equal(t[m], torch.arange(a, a + S)[m] + 1)  # slot j learns labels[a + j]
+    assert seen <= set(range(3, 9)) | {20} | set(range(30, 45)) and len(seen) > 10
+
+
+def test_follow_target_path_masks_blocks_the_target_would_not_accept():
+    T = 20
+    ids = torch.arange(T)
+    labels = ids + 1  # the text is the target's greedy path ...
+    labels[9] = 0  # ... except that after token 9 the target would have said 0, not 10
+    sup = torch.ones(T, dtype=torch.bool)
+    anchors = torch.tensor([5, 8, 10])
+    _, off, _ = block_targets(labels, ids, sup, anchors, 4, follow_target_path=False)
+    _, on, _ = block_targets(labels, ids, sup, anchors, 4, follow_target_path=True)
+    assert off.all()
+    assert on.tolist() == [[True] * 4, [True, True, False, False], [True] * 4]  # token 10 left the path
+
+
+def test_position_decay_weights_are_as_specified():
+    gamma, S = 4.0, 7
+    w = position_weights(S, gamma)
+    assert torch.allclose(w, torch.tensor([np.exp(-(k - 1) / gamma) for k in range(1, S + 1)], dtype=torch.float32))
+    # the loss is Σ w_k·CE_k / Σ w_k: a wrong slot k costs in proportion to w_k
+    V = 5
+    targets = torch.zeros(1, 1, S, dtype=torch.long)
+    logits = torch.zeros(1, 1, S, V)
+    loss, _, _ = block_loss(logits, targets, torch.ones(1, 1, S, dtype=torch.bool), w)
+    assert torch.allclose(loss, torch.tensor(np.log(V), dtype=torch.float32))
+    logits[0, 0, 2, 0] = 10.0  # slot 3 nearly certain and right
+    ce = torch.full((S,), np.log(V), dtype=torch.float32)
+    ce[2] = -F.log_softmax(logits[0, 0, 2], -1)[0]
+    loss, correct, count = block_loss(logits, targets, torch.ones(1, 1, S, dtype=torch.bool), w)
+    assert torch.allclose(loss, (w * ce).sum() / w.sum())
+    assert correct.tolist() == [1] * S and count.tolist() == [1] * S  # argmax ties resolve to token 0 here
+
+
+def test_distillation_terms_on_a_full_support():
+    torch.manual_seed(0)
+    logits, t_logits = torch.randn(3, 6), torch.randn(3, 6)
+    ids = torch.arange(6).expand(3, 6)
+    lse = logits.logsumexp(-1)
+    p_d, p_t = logits.softmax(-1), t_logits.softmax(-1)
+    assert torch.allclose(distill_term(logits, lse, t_logits, ids, "l1"), (p_d - p_t).abs().sum(-1), atol=1e-6)
+    kl = (p_t * (p_t.log() - p_d.log())).sum(-1)
+    assert torch.allclose(distill_term(logits, lse, t_logits, ids, "kl"), kl, atol=1e-6)
+    # on a top-2 support, mass the drafter puts outside it counts fully in the L1
+    top = t_logits.topk(2, -1)
+    l1 = distill_term(logits, lse, top.values, top.indices, "l1")
+    pt2 = top.values.softmax(-1)
+    expect = (p_d.gather(-1, top.indices) - pt2).abs().sum(-1) + 1 - p_d.gather(-1, top.indices).sum(-1)
+    assert torch.allclose(l1, expect, atol=1e-6)
+
+
+def test_init_from_target_copies_top_half_layers(target):
+    assert top_half_layers(30, 2) == [22, 29] and top_half_layers(30, 1) == [29]
+    from hyflash.drafter.model import new_drafter
+
+    d = new_drafter(DrafterConfig(**{**DRAFTER, "intermediate_size": 80}), target, dtype=torch.float64)
+    copied = init_from_target(d, target)
+    src = target.model.model.layers[top_half_layers(3, 2)[1]]  # drafter layer 1 <- target layer 2
+    assert torch.equal(d.layers[1].attn.q_proj.weight, src.self_attn.q_proj.weight)
+    assert torch.equal(d.layers[1].norm.weight, src.input_layernorm.weight)
+    x = torch.randn(3, 32, dtype=torch.float64)
+    assert torch.allclose(d.layers[1].mlp(x), src.mlp(x))  # widened 64 -> 80, same function
+    assert any("widened" in c for c in copied)
+
+
+def test_draft_vocab_is_not_supported_yet(target, store, tmp_path):
+    with pytest.raises(NotImplementedError):
+        train(tiny_config(draft_vocab=1000), tmp_path, target, store)
+
+
+def test_recipes_have_matched_parameter_budgets():
+    recipes = {name: load_recipe(f"smollm2-{name}") for name in ("hyflash", "full", "swa")}
+    counts = {}
+    for name, cfg in recipes.items():
+        assert cfg.drafter.variant == name and cfg.drafter.num_layers == 2 and cfg.seq_len == 2048
+        emb = torch.zeros(1, cfg.drafter.hidden_size)
+        counts[name] = HyFlashDrafter(cfg.drafter, emb, emb).num_parameters()
+    assert max(counts.values()) / min(counts.values()) < 1.03, counts
+    same = {(c.data, c.steps, c.batch_seqs, c.anchors_per_seq, c.lr) for c in recipes.values()}
+    assert len(same) == 1
