@@ -80,6 +80,15 @@ def generate(prompt, target, drafter, max_new_tokens, temperature, top_k, top_p,
         f"stop: {stats['stop_reason']}]", err=True)
 
 
+def _register_train() -> None:
+    from hyflash.train import train_command
+
+    cli.add_command(train_command)
+
+
+_register_train()
+
+
 def main():
     try:
         cli(standalone_mode=False)

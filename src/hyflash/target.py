@@ -221,7 +221,8 @@ class Target:
         geometry = [getattr(c, "model_type", ""), self.num_layers, self.hidden_size, self.vocab_size,
                     getattr(c, "num_attention_heads", 0), getattr(c, "num_key_value_heads", 0)]
         emb = self.model.get_input_embeddings().weight
-        rows = emb[:: max(1, emb.shape[0] // 64)][:64, :16].float()
+        # rounded through bf16 so the same target loaded in fp32 or bf16 has one fingerprint
+        rows = emb[:: max(1, emb.shape[0] // 64)][:64, :16].to(torch.bfloat16).float()
         sample = torch.round(rows * 1e3).to(torch.int64).flatten().tolist()
         return hashlib.sha256(json.dumps([geometry, sample]).encode()).hexdigest()[:16]
 
