@@ -69,7 +69,7 @@ class TrainConfig:
     distill: str = "l1"  # l1: ‖p_d − p_t‖₁ on the renormalised top-k support | kl: KL(p_t ‖ p_d) on it
     bf16: bool = True  # bf16 autocast (fp32 master weights)
     init_from_target: bool = False  # drafter layers start as copies of target layers from the top half
-    draft_vocab: int = 0  # reduced output vocabulary (0 = the target's full vocabulary); not supported yet
+    draft_vocab: int = 0  # reduced output vocabulary: the N most frequent target labels (0 = the full vocabulary)
     # bookkeeping
     seed: int = 0
     ckpt_every: int = 250
@@ -259,16 +259,43 @@ def distill_term(logits, lse, topk_vals, topk_ids, kind: str) -> torch.Tensor:
     return (p_d - p_t).abs().sum(-1) + (1 - p_d.sum(-1)).clamp_min(0)
 
 
-def block_loss(logits, targets, mask, weights, kl_weight=0.0, topk_vals=None, topk_ids=None, distill="l1"):
-    """logits [B, n, S, V], targets/mask [B, n, S], weights [S] → (loss, per-slot correct [S], per-slot count [S])."""
+def block_loss(logits, targets, mask, weights, kl_weight=0.0, topk_vals=None, topk_ids=None, distill="l1",
+               loss_mask=None):
+    """logits [B, n, S, V], targets/mask [B, n, S], weights [S] → (loss, per-slot correct [S], per-slot count [S]).
+    A target of −1 (outside a reduced draft vocabulary) is a miss; ``loss_mask`` (default ``mask``) leaves it out
+    of the loss."""
     lse = logits.float().logsumexp(-1)  # [B, n, S]
-    per = lse - logits.gather(-1, targets[..., None])[..., 0].float()  # cross-entropy against the target's token
+    per = lse - logits.gather(-1, targets.clamp_min(0)[..., None])[..., 0].float()  # CE against the target's token
     if kl_weight > 0:
         per = (1 - kl_weight) * per + kl_weight * distill_term(logits, lse, topk_vals, topk_ids, distill)
-    w = weights.to(per.device) * mask
+    w = weights.to(per.device) * (mask if loss_mask is None else loss_mask)
     loss = (per * w).sum() / w.sum().clamp_min(1e-9)
     correct = ((logits.argmax(-1) == targets) & mask).sum((0, 1))
     return loss, correct, mask.sum((0, 1))
+
+
+def draft_vocabulary(store, train_idx, size: int, vocab_size: int, max_sequences: int = 4096) -> torch.Tensor:
+    """The ``size`` most frequent target labels over (up to ``max_sequences`` of) the training sequences, as sorted
+    ids (ties and unused ids broken by the lower id)."""
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for i in train_idx[:max_sequences]:
+        counts += np.bincount(np.asarray(store[int(i)]["labels"], dtype=np.int64), minlength=vocab_size)
+    return torch.from_numpy(np.sort(np.argsort(-counts, kind="stable")[:size]))
+
+
+def to_draft_vocab(b: dict, index_of: torch.Tensor) -> dict:
+    """Targets and top-k ids as draft-vocabulary indices. A target outside the draft vocabulary becomes −1 (a certain
+    miss, left out of the loss); top-k entries outside it get −inf, so the distillation target renormalises on the
+    rest."""
+    b = dict(b)
+    b["targets"] = index_of[b["targets"]]
+    b["loss_mask"] = b["mask"] & (b["targets"] >= 0)
+    if b.get("topk_ids") is not None:
+        ids = index_of[b["topk_ids"]]
+        b["topk_vals"] = b["topk_vals"].float().masked_fill(ids < 0, float("-inf"))
+        b["topk_ids"] = ids.clamp_min(0)
+        b["loss_mask"] &= (ids >= 0).any(-1)
+    return b
 
 
 def accepted_prefix(logits, targets, mask) -> torch.Tensor:
@@ -347,6 +374,15 @@ class BlockDrafting(nn.Module):
         return self.drafter.forward_train(features, input_ids, anchors, prev_ids=prev_ids)
 
 
+def draft_index(drafter: HyFlashDrafter) -> torch.Tensor | None:
+    """Target id → draft-vocabulary index (−1 outside it); None without a draft vocabulary."""
+    if drafter.draft_vocab is None:
+        return None
+    index_of = torch.full((drafter.head_weight.shape[0],), -1, dtype=torch.long)
+    index_of[drafter.draft_vocab] = torch.arange(len(drafter.draft_vocab))
+    return index_of
+
+
 # ------------------------------------------------------------------------------------------- validation
 @torch.no_grad()
 def evaluate(drafter: HyFlashDrafter, store, val_idx, cfg: TrainConfig) -> dict:
@@ -359,6 +395,8 @@ def evaluate(drafter: HyFlashDrafter, store, val_idx, cfg: TrainConfig) -> dict:
     for k in range(0, len(val_idx), cfg.batch_seqs):
         ids = [int(i) for i in val_idx[k:k + cfg.batch_seqs]]
         b = make_batch(store, ids, cfg, np.random.default_rng([cfg.seed, 99, k]), with_topk=False)
+        if drafter.draft_vocab is not None:
+            b = to_draft_vocab(b, draft_index(drafter))
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
             logits = drafter.forward_train(b["features"], b["input_ids"], b["anchors"], prev_ids=b["prev_ids"])
         ok = (logits.argmax(-1) == b["targets"]) & b["mask"]
@@ -436,8 +474,6 @@ def train(cfg: TrainConfig, out_dir, target=None, store=None, resume: bool = Tru
     ``target``/``store`` default to ``Target.load(cfg.target)`` and the feature store at ``cfg.data``. With
     ``resume`` a run continues from its latest checkpoint. ``stop_at`` ends the run after that step as if it were
     killed there (no final export). Returns the drafter (fp32)."""
-    if cfg.draft_vocab:
-        raise NotImplementedError("draft_vocab (a reduced output vocabulary) is not supported by the drafter yet")
     out_dir = Path(out_dir)
     rank, world = setup_distributed()
     main = rank == 0
@@ -456,7 +492,10 @@ def train(cfg: TrainConfig, out_dir, target=None, store=None, resume: bool = Tru
     check_store(store, target, cfg)
     train_idx, val_idx = split_indices(len(store), cfg)
     torch.manual_seed(cfg.seed)
-    drafter = new_drafter(DrafterConfig.from_dict(cfg.drafter.to_dict()), target, dtype=torch.float32).train()
+    dcfg = DrafterConfig.from_dict({**cfg.drafter.to_dict(), "draft_vocab_size": cfg.draft_vocab})
+    drafter = new_drafter(dcfg, target, dtype=torch.float32).train()
+    if cfg.draft_vocab and not found:
+        drafter.set_draft_vocab(draft_vocabulary(store, train_idx, cfg.draft_vocab, target.vocab_size))
     if cfg.init_from_target and not found:
         copied = init_from_target(drafter, target)
         if main:
@@ -467,10 +506,13 @@ def train(cfg: TrainConfig, out_dir, target=None, store=None, resume: bool = Tru
     opt = make_optimizer(drafter, cfg)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, partial(lr_factor, cfg=cfg))
     weights = position_weights(cfg.drafter.block_size, cfg.gamma)
+    index_of = draft_index(drafter)
     step, position, elapsed_before = 0, 0, 0.0
     if found:  # resume exactly: weights, optimiser, schedule, RNG, place in the data order
         ckpt = torch.load(found[-1], map_location="cpu", weights_only=False)  # our own file (holds RNG states)
         drafter.load_state_dict(ckpt["model"])
+        if drafter.draft_vocab is not None:
+            drafter.set_draft_vocab(drafter.draft_vocab.clone())
         opt.load_state_dict(ckpt["optimizer"])
         sched.load_state_dict(ckpt["scheduler"])
         set_rng_states(ckpt["rng"])
@@ -495,10 +537,12 @@ def train(cfg: TrainConfig, out_dir, target=None, store=None, resume: bool = Tru
         rng = np.random.default_rng([cfg.seed, step, rank])  # crops and anchors: a function of (seed, step, rank)
         ids = sequence_ids(train_idx, cfg.seed, position + rank * cfg.batch_seqs, cfg.batch_seqs)
         b = make_batch(store, ids, cfg, rng, with_topk=cfg.kl_weight > 0)
+        if drafter.draft_vocab is not None:
+            b = to_draft_vocab(b, index_of)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
             logits = model(b["features"], b["input_ids"], b["anchors"], b["prev_ids"])  # [B, n, S, V]
         loss, correct, count = block_loss(logits, b["targets"], b["mask"], weights, cfg.kl_weight,
-                                          b["topk_vals"], b["topk_ids"], cfg.distill)
+                                          b["topk_vals"], b["topk_ids"], cfg.distill, b.get("loss_mask"))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
