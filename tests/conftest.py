@@ -6,6 +6,15 @@ import torch
 from hyflash.target import Target
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Run a module's tests on one thread (tiny models are fastest so), restoring the setting afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def smollm2_fp32():
     """The real default target in fp32 (exactness tests run in fp32, DESIGN §1)."""

@@ -18,12 +18,7 @@ FP64_TOL = 1e-10
 FP32_ULPS = 4 * torch.finfo(torch.float32).eps
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: no fork/join overhead per matmul
 
 
 def with_last_layer_features(t):

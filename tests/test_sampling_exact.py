@@ -27,13 +27,7 @@ P_PASS = 1e-3
 P_REJECT = 1e-6
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run fastest on one thread (no fork/join overhead per matmul); restore afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: no fork/join overhead per matmul
 
 
 def decodable(target):
