@@ -164,22 +164,25 @@ def positions(T, chunk, Q_extra, seed):
     return torch.tensor(sorted(fixed) + rand)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+KIND_FORMS = [("mamba2", "chunked"), ("mamba2", "quadratic"), ("gdn", "chunked")]
+
+
+@pytest.mark.parametrize("kind,form", KIND_FORMS)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("T,chunk", [(45, 8), (48, 16)])
-def test_read_at_matches_reading_recurrent_states(kind, dtype, T, chunk):
+def test_read_at_matches_reading_recurrent_states(kind, form, dtype, T, chunk):
     k, v, g, beta = make_inputs(kind, T=T, dtype=dtype, seed=5)
     ref = reference_states(kind, k, v, g, beta)
     pos = positions(T, chunk, 10, seed=6)
     q = torch.randn(2, 3, len(pos), 5, dtype=torch.float64).to(dtype)
-    o = memory.read_at(kind, k, v, g, q, pos, beta, chunk=chunk)
+    o = memory.read_at(kind, k, v, g, q, pos, beta, chunk=chunk, form=form)
     assert o.shape == (2, 3, len(pos), 4) and o.dtype == dtype
     expected = read_ref(ref, q, pos.expand(2, -1))
     assert rel_err(o, expected) < TOL[dtype]
     assert not o[:, :, pos == 0].any(), "p = 0 reads the zero state"
     # per-batch positions [B, Q]
     pos_b = torch.stack([pos, pos.flip(0)])
-    o_b = memory.read_at(kind, k, v, g, q, pos_b, beta, chunk=chunk)
+    o_b = memory.read_at(kind, k, v, g, q, pos_b, beta, chunk=chunk, form=form)
     assert rel_err(o_b, read_ref(ref, q, pos_b)) < TOL[dtype]
 
 
@@ -212,8 +215,8 @@ def test_read_at_limit_matches_window_folded_from_zero(kind, dtype, limit):
         assert rel_err(full, expected) > 1e-3
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_read_at_is_safe_under_strong_decay(kind):
+@pytest.mark.parametrize("kind,form", KIND_FORMS)
+def test_read_at_is_safe_under_strong_decay(kind, form):
     T = 150
     k, v, g, beta = make_inputs(kind, T=T, dtype=torch.float32, seed=9, decay_scale=40.0)
     ref = reference_states(kind, k, v, g, beta)
@@ -221,7 +224,7 @@ def test_read_at_is_safe_under_strong_decay(kind):
     q = torch.randn(2, 3, len(pos), 5, requires_grad=True)
     g = g.clone().requires_grad_()
     for limit in (None, 20):
-        o = memory.read_at(kind, k, v, g, q, pos, beta, chunk=64, limit=limit)
+        o = memory.read_at(kind, k, v, g, q, pos, beta, chunk=64, limit=limit, form=form)
         assert torch.isfinite(o).all()
         if limit is None:
             assert rel_err(o, read_ref(ref, q.detach(), pos.expand(2, -1))) < 1e-4
@@ -240,11 +243,13 @@ def test_bad_arguments_raise():
         memory.read_at("gdn", k, v, g, q, torch.tensor([0, 7]), beta)  # 7 > T
     with pytest.raises(ValueError):
         memory.read_at("gdn", k, v, g, q, torch.tensor([0, 1]), beta, limit=-1)
+    with pytest.raises(ValueError):
+        memory.read_at("gdn", k, v, g, q, torch.tensor([0, 1]), beta, form="quadratic")  # mamba2 only
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind,form", KIND_FORMS)
 @pytest.mark.parametrize("limit", [None, 3])
-def test_read_at_gradcheck(kind, limit):
+def test_read_at_gradcheck(kind, form, limit):
     k, v, g, beta = make_inputs(kind, B=1, T=7, H=2, dk=3, dv=2, seed=11)
     q = torch.randn(1, 2, 5, 3, dtype=torch.float64)
     pos = torch.tensor([0, 3, 4, 6, 7])
@@ -253,7 +258,7 @@ def test_read_at_gradcheck(kind, limit):
         leaves.append(beta.clone().requires_grad_())
 
     def f(k, v, g, q, beta=None):
-        return memory.read_at(kind, k, v, g, q, pos, beta, chunk=4, limit=limit)
+        return memory.read_at(kind, k, v, g, q, pos, beta, chunk=4, limit=limit, form=form)
 
     assert torch.autograd.gradcheck(f, leaves)
 
