@@ -56,8 +56,8 @@ def main():
     gl = (-torch.nn.functional.softplus(torch.randn(B, L, H, generator=g)) * 0.05).requires_grad_()
     q = torch.randn(B, H, Q, dk, generator=g, requires_grad=True)
     pos = anchors.repeat_interleave(7, 1)
-    forms = {"chunked": lambda: memory.read_at("mamba2", k, v, gl, q, pos),
-             "quadratic": lambda: memory._read_at_limited("mamba2", k, v, gl, q, pos, None, 64, L)}
+    forms = {form: (lambda form=form: memory.read_at("mamba2", k, v, gl, q, pos, form=form))
+             for form in ("chunked", "quadratic")}
     out = {}
     for name, fn in forms.items():
         for _ in range(2):
