@@ -3,7 +3,6 @@
 import functools
 import gzip
 import io
-import json
 import shutil
 import subprocess
 import tarfile
