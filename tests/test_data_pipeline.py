@@ -176,6 +176,19 @@ def test_spans_cover_exactly_the_response_tokens(target, responses, sequences):
         s["id"] for s in read(sequences.with_name("again.jsonl")))
 
 
+def test_without_singles_every_answer_is_trained_on_once(target, responses, tmp_path):
+    answers = {r["id"] for shard in sorted(responses.glob("responses-*.jsonl")) for r in read(shard)}
+    out = tmp_path / "packed_only.jsonl"
+    meta = build_sequences(responses, None, out, target, max_len=MAX_LEN, min_len=8, singles=False)
+    seqs = read(out)
+    seen = [p for s in seqs if s["kind"] == "packed" for p in s["parts"]]
+    seen += [s["id"] for s in seqs if s["kind"] == "chat"]  # only a leftover no pack could take
+    assert sorted(seen) == sorted(answers) and meta["counts"]["packed"]["sequences"] >= 1
+    assert meta["counts"]["chat"]["sequences"] <= 1
+    with pytest.raises(HyflashError):
+        build_sequences(responses, None, tmp_path / "none.jsonl", target, max_len=MAX_LEN, pack=False, singles=False)
+
+
 def test_documents_are_cut_into_chunks_supervised_after_the_first_token(target, responses, documents_file,
                                                                        sequences, tmp_path):
     docs = {d["id"]: target.tokenizer.encode(d["text"], add_special_tokens=False) for d in read(documents_file)}

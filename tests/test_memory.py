@@ -216,6 +216,28 @@ def test_read_at_limit_matches_window_folded_from_zero(kind, dtype, limit):
 
 
 @pytest.mark.parametrize("kind,form", KIND_FORMS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("limit", [None, 5])
+def test_grouped_read_at_matches_ungrouped(kind, form, dtype, limit):
+    """Runs of `group` queries at one position (a block's slots) give the same reads with group set."""
+    T, chunk, group = 45, 8, 4
+    k, v, g, beta = make_inputs(kind, T=T, dtype=dtype, seed=13)
+    anchors = torch.stack([positions(T, chunk, 3, seed=14), positions(T, chunk, 3, seed=15).flip(0)])
+    pos = anchors.repeat_interleave(group, dim=1)                      # [2, n·group]
+    q = torch.randn(2, 3, pos.shape[1], 5, dtype=torch.float64).to(dtype)
+    ref = reference_states(kind, k, v, g, beta)
+    grouped = memory.read_at(kind, k, v, g, q, pos, beta, chunk=chunk, limit=limit, form=form, group=group)
+    plain = memory.read_at(kind, k, v, g, q, pos, beta, chunk=chunk, limit=limit, form=form)
+    assert grouped.shape == plain.shape and rel_err(grouped, plain) < TOL[dtype]
+    if limit is None:
+        assert rel_err(grouped, read_ref(ref, q, pos)) < TOL[dtype]
+    with pytest.raises(ValueError):  # a run whose queries sit at different positions
+        memory.read_at(kind, k, v, g, q, pos.roll(1, dims=1), beta, chunk=chunk, form=form, group=group)
+    with pytest.raises(ValueError):  # group must divide the queries
+        memory.read_at(kind, k, v, g, q, pos, beta, chunk=chunk, form=form, group=5)
+
+
+@pytest.mark.parametrize("kind,form", KIND_FORMS)
 def test_read_at_is_safe_under_strong_decay(kind, form):
     T = 150
     k, v, g, beta = make_inputs(kind, T=T, dtype=torch.float32, seed=9, decay_scale=40.0)

@@ -13,8 +13,9 @@ from hyflash.decoding import generate
 from hyflash.drafter.config import DrafterConfig
 from hyflash.drafter.model import HyFlashDrafter, from_pretrained
 from hyflash.proposers import HyFlashProposer
+from hyflash import HyflashError
 from hyflash.train import (TrainConfig, block_loss, block_targets, checkpoints, distill_term, init_from_target,
-                           load_recipe, make_batch, position_weights, top_half_layers, train)
+                           load_recipe, make_batch, position_weights, sequence_ids, top_half_layers, train)
 
 VOCAB = 32
 DRAFTER = dict(num_layers=2, block_size=4, window=6, hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8,
@@ -240,3 +241,29 @@ def test_recipes_have_matched_parameter_budgets():
     assert max(counts.values()) / min(counts.values()) < 1.03, counts
     same = {(c.data, c.steps, c.batch_seqs, c.anchors_per_seq, c.lr) for c in recipes.values()}
     assert len(same) == 1
+
+
+class _KindStore:
+    def __init__(self, kinds):
+        self._kinds = kinds
+
+    def kinds(self):
+        return list(self._kinds)
+
+
+def test_kind_weights_repeat_sequences_of_a_kind_in_the_data_order():
+    from hyflash.train import weighted_indices
+
+    store = _KindStore(["packed", "document", "packed", "chat", "document"])
+    idx = np.array([0, 1, 2, 3])                    # sequence 4 held out
+    out = weighted_indices(store, idx, {"packed": 3, "chat": 0})
+    assert sorted(out.tolist()) == [0, 0, 0, 1, 2, 2, 2]
+    assert weighted_indices(store, idx, {}) is idx
+    order = sequence_ids(out, seed=0, position=0, count=len(out))  # one epoch visits each copy once
+    assert sorted(order) == sorted(out.tolist())
+    with pytest.raises(HyflashError):
+        weighted_indices(object(), idx, {"packed": 2})  # a store without kinds
+    with pytest.raises(HyflashError):
+        weighted_indices(store, idx, {"packed": 0, "document": 0, "chat": 0})
+    with pytest.raises(HyflashError):
+        TrainConfig(kind_weights={"packed": 1.5})

@@ -56,6 +56,7 @@ class TrainConfig:
     val_fraction: float = 0.02  # held-out sequences (at most val_sequences of them)
     val_sequences: int = 64
     follow_target_path: bool = False  # also mask slot j once the text left the target's greedy path inside the block
+    kind_weights: dict = field(default_factory=dict)  # e.g. {"packed": 3}: such sequences come 3 times per epoch
     # optimisation
     steps: int = 10000
     lr: float = 6e-4
@@ -87,6 +88,8 @@ class TrainConfig:
             raise HyflashError("kl_weight must be in [0, 1]")
         if self.steps < 1 or self.batch_seqs < 1 or self.anchors_per_seq < 1:
             raise HyflashError("steps, batch_seqs and anchors_per_seq must be >= 1")
+        if any(not isinstance(w, int) or w < 0 for w in self.kind_weights.values()):
+            raise HyflashError(f"kind_weights must be whole numbers >= 0, got {self.kind_weights}")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -157,6 +160,20 @@ def split_indices(n: int, cfg: TrainConfig) -> tuple[np.ndarray, np.ndarray]:
     n_val = min(n_val, n - 1)
     perm = np.random.default_rng([cfg.seed, 7]).permutation(n)
     return np.sort(perm[n_val:]), np.sort(perm[:n_val])
+
+
+def weighted_indices(store, idx: np.ndarray, kind_weights: dict) -> np.ndarray:
+    """``idx`` with each sequence repeated ``kind_weights[kind]`` times (1 for kinds not named): one epoch of the data
+    order then visits, e.g., every packed conversation three times and every document once."""
+    if not kind_weights:
+        return idx
+    if not hasattr(store, "kinds"):
+        raise HyflashError("kind_weights needs a feature store that records sequence kinds")
+    kinds = store.kinds()
+    reps = np.array([kind_weights.get(kinds[i], 1) for i in idx], dtype=np.int64)
+    if reps.sum() == 0:
+        raise HyflashError(f"kind_weights {kind_weights} leave no training sequences")
+    return np.repeat(idx, reps)
 
 
 @lru_cache(maxsize=2)
@@ -491,6 +508,7 @@ def train(cfg: TrainConfig, out_dir, target=None, store=None, resume: bool = Tru
         target = Target.load(cfg.target, dtype="bf16", feature_layers=cfg.drafter.target_layers)
     check_store(store, target, cfg)
     train_idx, val_idx = split_indices(len(store), cfg)
+    order_idx = weighted_indices(store, train_idx, cfg.kind_weights)
     torch.manual_seed(cfg.seed)
     dcfg = DrafterConfig.from_dict({**cfg.drafter.to_dict(), "draft_vocab_size": cfg.draft_vocab})
     drafter = new_drafter(dcfg, target, dtype=torch.float32).train()
@@ -535,7 +553,7 @@ def train(cfg: TrainConfig, out_dir, target=None, store=None, resume: bool = Tru
     while step < cfg.steps:
         t_step = time.perf_counter()
         rng = np.random.default_rng([cfg.seed, step, rank])  # crops and anchors: a function of (seed, step, rank)
-        ids = sequence_ids(train_idx, cfg.seed, position + rank * cfg.batch_seqs, cfg.batch_seqs)
+        ids = sequence_ids(order_idx, cfg.seed, position + rank * cfg.batch_seqs, cfg.batch_seqs)
         b = make_batch(store, ids, cfg, rng, with_topk=cfg.kl_weight > 0)
         if drafter.draft_vocab is not None:
             b = to_draft_vocab(b, index_of)

@@ -223,6 +223,10 @@ class FeatureStore:
     def lengths(self) -> list[int]:
         return [n for _, _, n, _, _, _ in self._items]
 
+    def kinds(self) -> list[str | None]:
+        """Each sequence's kind ("chat", "packed", "document") as recorded by hyflash.data.sequences."""
+        return [kind for _, _, _, _, kind, _ in self._items]
+
     def __getitem__(self, i: int) -> dict:
         k, off, n, seq_id, kind, spans = self._items[i]
         arrays = self._arrays(k)

@@ -119,11 +119,12 @@ def document_chunks(doc: dict, tokenizer, prefix: list[int], max_len: int, min_l
 
 def build_sequences(responses_dir, documents_path, out_path, target: str | Target = "smollm2-135m",
                     max_len: int = 2048, doc_tokens: int | None = None, pack: bool = True, min_len: int = 64,
-                    seed: int = 0) -> dict:
+                    seed: int = 0, singles: bool = True) -> dict:
     """Write the chat, packed and document sequences to `out_path` (see the module docstring); return counts.
 
     doc_tokens: stop taking document chunks (in the split's shuffled document order) at this many tokens;
-    0 takes none, None takes all. documents_path may be None for chat only.
+    0 takes none, None takes all. documents_path may be None for chat only. singles=False keeps conversations only
+    inside packs (each answer once, in full-length sequences: cheaper to train on than many short ones).
     """
     out = Path(out_path)
     shards = response_shards(responses_dir)
@@ -132,6 +133,8 @@ def build_sequences(responses_dir, documents_path, out_path, target: str | Targe
               "documents_sha256": sha256_file(Path(documents_path)) if documents_path else None,
               "tokenizer_vocab": len(tokenizer), "max_len": max_len, "doc_tokens": doc_tokens, "pack": pack,
               "min_len": min_len, "seed": seed}
+    if not singles:
+        inputs["singles"] = False  # recorded only when off, so that older metadata stays valid
     meta_path = out.with_suffix(".meta.json")
     old = load_json(meta_path)
     if old and old.get("inputs") == inputs and out.exists() and sha256_file(out) == old.get("sha256"):
@@ -166,7 +169,11 @@ def build_sequences(responses_dir, documents_path, out_path, target: str | Targe
                     taken += len(c["ids"])
                     bar.update(len(c["ids"]))
 
-    sequences = chats + packs + docs
+    if not pack and not singles:
+        raise HyflashError("no conversations left: both packing and single conversations are off")
+    packed_ids = {p for q in packs for p in q["parts"]}
+    singles_kept = chats if singles else [c for c in chats if c["id"] not in packed_ids]  # a lone leftover stays
+    sequences = singles_kept + packs + docs
     random.Random(f"{seed}/sequences").shuffle(sequences)
     tmp = out.with_name(out.name + ".tmp")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -176,7 +183,7 @@ def build_sequences(responses_dir, documents_path, out_path, target: str | Targe
     os.replace(tmp, out)
 
     counts = {}
-    for kind, group in (("chat", chats), ("packed", packs), ("document", docs)):
+    for kind, group in (("chat", singles_kept), ("packed", packs), ("document", docs)):
         counts[kind] = {"sequences": len(group), "tokens": sum(len(s["ids"]) for s in group),
                         "supervised": sum(e - s for q in group for s, e in q["spans"])}
     meta = {"inputs": inputs, "counts": counts, "sha256": sha256_file(out),
@@ -197,11 +204,13 @@ def main(argv=None) -> int:
     p.add_argument("--max-len", type=int, default=2048)
     p.add_argument("--doc-tokens", type=int, default=None, help="cap on document tokens (default: all)")
     p.add_argument("--no-pack", action="store_true", help="no packed multi-conversation sequences")
+    p.add_argument("--no-singles", action="store_true",
+                   help="conversations only inside packs (not also one per sequence)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     try:
         build_sequences(args.responses, args.documents, args.out, args.target, args.max_len, args.doc_tokens,
-                        not args.no_pack, seed=args.seed)
+                        not args.no_pack, seed=args.seed, singles=not args.no_singles)
     except HyflashError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -166,7 +166,7 @@ QUADRATIC_MAX = 1 << 26  # mamba2 training reads use the quadratic form up to B�
 
 
 def read_at(kind: str, k: Tensor, v: Tensor, g: Tensor, q: Tensor, q_pos: Tensor, beta: Tensor | None = None,
-            chunk: int = 64, limit: int | None = None, form: str = "auto") -> Tensor:
+            chunk: int = 64, limit: int | None = None, form: str = "auto", group: int = 1) -> Tensor:
     """Training-time read: o_i = read(S_{p_i}, q_i), S_p = state after folding features 0..p-1 from zero (S_0 = 0).
 
     With p = c·L + r (chunk c, offset r) and (*) from the module docstring:
@@ -176,7 +176,10 @@ def read_at(kind: str, k: Tensor, v: Tensor, g: Tensor, q: Tensor, q_pos: Tensor
     q_pos LongTensor [Q] (shared over the batch) or [B,Q] with values in [0, T]. Returns [B,H,Q,dv].
     limit=N: the memory of query i holds only features max(0, p-N)..p-1, folded from a zero state.
     form: "chunked" (above), "quadratic" (mamba2 only: o_i = Σ_{j<p} exp(Σ_{j<t<p} g_t)(k_jᵀq_i) v_j, the SSD dual form,
-    O(Q·T) but ~3x faster on CPU for training shapes), or "auto" (quadratic for mamba2 up to QUADRATIC_MAX elements).
+    O(Q·T), faster on CPU than the chunked form for ungrouped queries), or "auto" (quadratic for ungrouped mamba2
+    queries up to QUADRATIC_MAX elements, chunked otherwise).
+    group=G: consecutive runs of G queries share one position (a drafting block's slots all read the state at their
+    anchor); the quadratic form then builds its decay weights once per run instead of once per query.
     """
     _check(kind, beta)
     B, T, H, dk = k.shape
@@ -186,56 +189,68 @@ def read_at(kind: str, k: Tensor, v: Tensor, g: Tensor, q: Tensor, q_pos: Tensor
         raise ValueError(f"q_pos must be [Q] or [B, Q] with Q={Q}, B={B}; got {tuple(q_pos.shape)}")
     if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) > T):
         raise ValueError(f"q_pos values must lie in [0, {T}]")
+    if group < 1 or Q % group:
+        raise ValueError(f"group must divide the number of queries {Q}; got {group}")
+    if group > 1:
+        runs = pos.view(B, Q // group, group)
+        if not bool((runs == runs[..., :1]).all()):
+            raise ValueError(f"group={group}: each run of {group} consecutive queries must share one position")
     if limit is not None:
         if limit < 0:
             raise ValueError(f"limit must be >= 0, got {limit}")
         if pos.numel() and limit < int(pos.max()):                    # otherwise the windows hold every prefix
-            return _read_at_limited(kind, k, v, g, q, pos, beta, chunk, limit)
+            return _read_at_limited(kind, k, v, g, q, pos, beta, chunk, limit, group)
     if T == 0:
         return q.new_zeros(B, H, Q, v.shape[-1])
     if form not in ("auto", "chunked", "quadratic") or (form == "quadratic" and kind != "mamba2"):
         raise ValueError(f"form must be auto, chunked or (mamba2 only) quadratic; got {form!r} for {kind}")
-    if kind == "mamba2" and (form == "quadratic" or (form == "auto" and B * H * Q * T <= QUADRATIC_MAX)):
-        return _read_at_limited(kind, k, v, g, q, pos, beta, chunk, T)  # a window of T holds every prefix
+    if kind == "mamba2" and (form == "quadratic" or (form == "auto" and group == 1 and B * H * Q * T <= QUADRATIC_MAX)):
+        return _read_at_limited(kind, k, v, g, q, pos, beta, chunk, T, group)  # a window of T holds every prefix
 
     states, final, K, U, G = _scan(kind, k, v, g, beta, None, chunk)
-    L, n_chunks = chunk, K.shape[2]
+    L, n_chunks, n = chunk, K.shape[2], Q // group
     S_all = torch.cat([states, final[:, :, None]], 2)                 # S_all[:, :, c] = state at p = c·L
-    c = torch.div(pos, L, rounding_mode="floor")
-    r = pos - c * L
+    pa = pos[:, ::group]                                              # one position per run of `group` queries
+    c = torch.div(pa, L, rounding_mode="floor")
+    r = pa - c * L
     bidx = torch.arange(B, device=k.device)[:, None]
     # G_r: local log-decay from the chunk start to p (0 when r = 0)
-    Gr = G.reshape(B, H, n_chunks * L).gather(-1, (pos - 1).clamp(min=0)[:, None].expand(B, H, Q))
-    Gr = Gr.masked_fill((r == 0)[:, None], 0.0)                       # [B, H, Q]
+    Gr = G.reshape(B, H, n_chunks * L).gather(-1, (pa - 1).clamp(min=0)[:, None].expand(B, H, n))
+    Gr = Gr.masked_fill((r == 0)[:, None], 0.0)                       # [B, H, n]
+    q5 = q.view(B, H, n, group, dk)
     # chunk-start state decayed to p:  γ_r S_cᵀ q
-    Sc = S_all[bidx, :, c].transpose(1, 2)                            # [B, H, Q, dk, dv]
-    o = Gr.exp()[..., None] * (q[..., None, :] @ Sc).squeeze(-2)
+    Sc = S_all[bidx, :, c].transpose(1, 2)                            # [B, H, n, dk, dv]
+    o = Gr.exp()[..., None, None] * (q5 @ Sc)                         # [B, H, n, group, dv]
     # intra-chunk part: decay-masked attention over features c·L .. p-1
     cc = c.clamp(max=n_chunks - 1)                                    # p = T = n_chunks·L has r = 0: nothing here
-    Kc, Uc, Gc = (x[bidx, :, cc].transpose(1, 2) for x in (K, U, G))  # [B,H,Q,L,dk] [B,H,Q,L,dv] [B,H,Q,L]
-    before = torch.arange(L, device=k.device) < r[:, None, :, None]   # j < r   [B, 1, Q, L]
+    Kc, Uc, Gc = (x[bidx, :, cc].transpose(1, 2) for x in (K, U, G))  # [B,H,n,L,dk] [B,H,n,L,dv] [B,H,n,L]
+    before = torch.arange(L, device=k.device) < r[:, None, :, None]   # j < r   [B, 1, n, L]
     w = (Gr[..., None] - Gc).masked_fill(~before, float("-inf")).exp()
-    scores = (Kc @ q[..., None]).squeeze(-1) * w                      # (γ_r/γ_j) k_jᵀ q
-    return o + (scores[..., None, :] @ Uc).squeeze(-2)
+    scores = (q5 @ Kc.transpose(-1, -2)) * w[..., None, :]            # (γ_r/γ_j) k_jᵀ q   [B, H, n, group, L]
+    return (o + scores @ Uc).view(B, H, Q, -1)
 
 
 def _read_at_limited(kind: str, k: Tensor, v: Tensor, g: Tensor, q: Tensor, pos: Tensor, beta: Tensor | None,
-                     chunk: int, N: int) -> Tensor:
+                     chunk: int, N: int, group: int = 1) -> Tensor:
     """read_at with the memory restricted to the last N features before each query position."""
     B, T, H, dk = k.shape
     Q, dv = q.shape[2], v.shape[-1]
     if N == 0:
         return q.new_zeros(B, H, Q, dv)
     if kind == "mamba2":
-        # quadratic SSD form, o_i = Σ_{p-N ≤ j < p} exp(Σ_{j<t<p} g_t) (k_jᵀ q_i) v_j.
-        # Prefix sums in float64 so that their differences do not cancel.
+        # quadratic SSD form, o_i = Σ_{p-N ≤ j < p} exp(Σ_{j<t<p} g_t) (k_jᵀ q_i) v_j, with the decay weights built
+        # once per run of `group` queries at one position. Prefix sums and their differences in float64 so that
+        # they do not cancel; the weights themselves in the working precision (float32 unless checking in float64).
+        n = Q // group
+        pa = pos[:, ::group]                                             # [B, n]
         Gx = F.pad(g.double().cumsum(1), (0, 0, 1, 0)).movedim(1, 2)   # Gx[..., p] = Σ_{t<p} g_t   [B, H, T+1]
-        Gp = Gx.gather(-1, pos[:, None].expand(B, H, Q))              # [B, H, Q]
+        Gp = Gx.gather(-1, pa[:, None].expand(B, H, n))               # [B, H, n]
         j = torch.arange(T, device=k.device)
-        inside = (j < pos[..., None]) & (j >= pos[..., None] - N)     # [B, Q, T]
-        w = (Gp[..., None] - Gx[..., None, 1:]).masked_fill(~inside[:, None], float("-inf")).exp().to(q.dtype)
-        scores = torch.einsum("bhqd,bthd->bhqt", q, k) * w
-        return torch.einsum("bhqt,bthe->bhqe", scores, v)
+        inside = (j < pa[..., None]) & (j >= pa[..., None] - N)       # [B, n, T]
+        wd = torch.float64 if q.dtype == torch.float64 else torch.float32
+        w = (Gp[..., None] - Gx[..., None, 1:]).to(wd).masked_fill(~inside[:, None], float("-inf")).exp().to(q.dtype)
+        scores = torch.einsum("bhqd,bthd->bhqt", q, k).view(B, H, n, group, T) * w[:, :, :, None]
+        return torch.einsum("bhqt,bthe->bhqe", scores.view(B, H, Q, T), v)
     # gdn: fold each window p-N .. p-1 from a zero state (left-padded with identity folds: k = v = g = β = 0)
     idx = pos[..., None] - N + torch.arange(N, device=k.device)       # [B, Q, N]
     valid = (idx >= 0)[..., None]

@@ -244,7 +244,7 @@ class HyFlashDrafter(nn.Module):
                 def read(q, k=k, v=v, g=g, beta=beta, kind=layer.memory.kind):
                     f = _state_dtype(q.dtype)  # the memory runs in fp32 (fp64 for fp64 checks)
                     return mem.read_at(kind, k.to(f), v.to(f), g.to(f), q.to(f), q_pos,
-                                       beta=None if beta is None else beta.to(f), limit=cfg.memory_limit)
+                                       beta=None if beta is None else beta.to(f), limit=cfg.memory_limit, group=S)
             h = layer(h, slot_pos, ctx_k, ctx_v, mask, read)
         h = h.view(B, n, S, -1)
         if cfg.causal_head_rank and prev_ids is not None:
