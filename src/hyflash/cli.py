@@ -1,4 +1,4 @@
-"""Command line: ``hyflash generate | info``."""
+"""Command line: ``hyflash generate | train | budget``."""
 
 from __future__ import annotations
 
@@ -78,6 +78,27 @@ def generate(prompt, target, drafter, max_new_tokens, temperature, top_k, top_p,
         f"{stats['acceptance_length']:.2f} | {stats['tokens_per_s']:.1f} tok/s | draft {stats['draft_ms']:.0f} ms, "
         f"verify {stats['verify_ms']:.0f} ms | drafter state {stats['drafter_state_bytes']} B | "
         f"stop: {stats['stop_reason']}]", err=True)
+
+
+@cli.command()
+@click.option("--target", default="smollm2-135m", show_default=True,
+              help="Preset (phi-4-reasoning), config.json, model directory or target spec.")
+@click.option("--drafter", default="auto", show_default=True,
+              help="auto (the shipped drafter, else the paper's layout) | paper | none | checkpoint directory.")
+@click.option("--context", default=0, type=int, help="Context length in tokens (default: the target's maximum).")
+@click.option("--weight-bits", default=16.0, show_default=True, type=float, help="Target weight bits.")
+@click.option("--embed-bits", default=None, type=float, help="Embedding/LM head bits (default: --weight-bits).")
+@click.option("--kv-bits", default=16.0, show_default=True, type=float, help="Target KV cache bits.")
+@click.option("--drafter-bits", default=16.0, show_default=True, type=float, help="Drafter weight bits.")
+@click.option("--budget-gib", default=None, type=float, help="Device budget to subtract from.")
+@click.option("--measure", default=0, type=int,
+              help="Also run the target and drafter here over min(context, N) tokens and print measured bytes.")
+def budget(target, drafter, context, weight_bits, embed_bits, kv_bits, drafter_bits, budget_gib, measure):
+    """Memory budget: target weights and KV cache, drafter weights and context state, what is left."""
+    from hyflash.budget import budget_command_impl
+
+    click.echo(budget_command_impl(target, drafter, context, weight_bits, embed_bits, kv_bits, drafter_bits,
+                                   budget_gib, measure))
 
 
 def _register_train() -> None:
