@@ -211,3 +211,24 @@ def test_reduced_draft_vocabulary_round_trips_and_stays_lossless(tmp_path):
     assert sampled.probs.shape == (4, 50) and (sampled.probs[:, [i for i in range(50) if i not in vocab]] == 0).all()
     plain = generate(target, prompt, None, max_new_tokens=30)
     assert generate(target, prompt, proposer, max_new_tokens=30).token_ids == plain.token_ids
+
+
+def test_lookup_then_drafter_is_lossless_and_uses_both():
+    from hyflash.proposers import LookupThenDrafter
+
+    target = tiny_llama(vocab=50, hidden=32)
+    torch.manual_seed(0)
+    drafter = new_drafter(DrafterConfig(**{**TINY, "hidden_size": 32}), target)
+    phrase = torch.randint(1, 49, (12,)).tolist()
+    prompt = phrase * 3 + torch.randint(1, 49, (10,)).tolist()  # repeats for lookup, fresh text for the drafter
+    plain = generate(target, prompt, None, max_new_tokens=40)
+    combo = LookupThenDrafter(HyFlashProposer(drafter), min_match=2)
+    spec = generate(target, prompt, combo, max_new_tokens=40)
+    assert spec.token_ids == plain.token_ids
+    assert 0 < combo.lookup_rounds < combo.rounds == spec.stats.rounds
+    alone = HyFlashProposer(drafter)
+    generate(target, prompt, alone, max_new_tokens=40)
+    # the drafter committed the same features whichever proposer drafted each round (in other chunks: float64 close)
+    assert combo.drafter.state.n == alone.state.n
+    assert all(torch.allclose(a, b, rtol=1e-9, atol=1e-12)
+               for a, b in zip(combo.drafter.state.memories, alone.state.memories))

@@ -130,9 +130,51 @@ class HyFlashProposer:
         return 0 if self.state is None else self.state.nbytes()
 
 
+class LookupThenDrafter:
+    """Prompt lookup when the last ``min_match`` or more tokens recur earlier in the sequence (a strong signal that
+    the text is being copied), the trained drafter otherwise. The drafter commits every verified feature either way,
+    so its state is the same as when it drafts every round."""
+
+    needs_features = True
+
+    def __init__(self, drafter: HyFlashProposer, min_match: int = 3, max_ngram: int = 4):
+        self.drafter = drafter
+        self.block_size = drafter.block_size
+        self.lookup = NgramProposer(self.block_size, max_ngram=max(max_ngram, min_match), min_ngram=min_match)
+        self.lookup_rounds = self.rounds = 0
+
+    def reset(self, prompt_ids):
+        self.lookup.reset(prompt_ids)
+        self.drafter.reset(prompt_ids)
+        self.lookup_rounds = self.rounds = 0
+
+    def commit(self, token_ids, features):
+        self.lookup.commit(token_ids, features)
+        self.drafter.commit(token_ids, features)
+
+    def draft(self, anchor: int, max_tokens: int, sampling: SamplingConfig) -> Draft:
+        self.rounds += 1
+        found = self.lookup.draft(anchor, max_tokens, sampling)
+        if found.tokens:
+            self.lookup_rounds += 1
+            return found
+        return self.drafter.draft(anchor, max_tokens, sampling)
+
+    def state_bytes(self) -> int:
+        return self.lookup.state_bytes() + self.drafter.state_bytes()
+
+
 def load_proposer(spec: str, target, block_size: int | None = None, seed: int | None = None):
     """``none`` | ``ngram`` | ``random`` | ``auto`` (the drafter shipped for this target, else ngram) | a drafter
-    checkpoint directory."""
+    checkpoint directory | ``ngram+auto`` or ``ngram+PATH`` (prompt lookup when it matches, else that drafter)."""
+    if spec.startswith("ngram+"):
+        inner = spec[len("ngram+"):]
+        if inner == "auto" and shipped_drafter_path(target) is None:
+            raise HyflashError(f"no drafter shipped for {target.name}: use ngram, or ngram+PATH")
+        drafter = load_proposer(inner, target, block_size, seed)
+        if not isinstance(drafter, HyFlashProposer):
+            raise HyflashError(f"ngram+ needs a drafter checkpoint after the +, not {inner!r}")
+        return LookupThenDrafter(drafter)
     if spec == "none":
         return NoDraft()
     if spec == "ngram":
