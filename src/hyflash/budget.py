@@ -233,13 +233,9 @@ class Budget:
 # --------------------------------------------------------------------------------------------- measured
 def cache_nbytes(cache) -> int:
     """Bytes of key/value tensors a transformers cache holds."""
-    total = 0
-    for layer in getattr(cache, "layers", []):
-        for name in ("keys", "values"):
-            x = getattr(layer, name, None)
-            if x is not None and hasattr(x, "numel"):
-                total += x.numel() * x.element_size()
-    return total
+    from hyflash.decoding import _cache_nbytes
+
+    return _cache_nbytes(cache)
 
 
 def measure_target_kv(target, context: int) -> int:

@@ -1,4 +1,4 @@
-"""Command line: ``hyflash generate | train | budget``."""
+"""Command line: ``hyflash generate | train | eval | report | budget``."""
 
 from __future__ import annotations
 
@@ -100,6 +100,50 @@ def budget(target, drafter, context, weight_bits, embed_bits, kv_bits, drafter_b
 
     click.echo(budget_command_impl(target, drafter, context, weight_bits, embed_bits, kv_bits, drafter_bits,
                                    budget_gib, measure))
+
+
+@cli.command("eval")
+@click.option("--target", default="smollm2-135m", show_default=True)
+@click.option("--drafters", default="none,ngram,auto", show_default=True,
+              help="Comma-separated: none, ngram, auto, PATH or LABEL=PATH ('none' is always run: the baseline).")
+@click.option("--suites", default="mtbench", show_default=True,
+              help="Comma-separated; short: mtbench, mtbench2, humaneval, gsm8k, math, writing; long: hotpotqa, "
+                   "reports, longcode, probe_nearby, probe_distant.")
+@click.option("--buckets", default="", help="Prompt-length buckets for long suites, e.g. 512-1K,1K-2K,2K-4K,4K-8K.")
+@click.option("--limit", default=10, show_default=True, type=int, help="Items per suite (per bucket for long ones).")
+@click.option("--max-new-tokens", default=128, show_default=True, type=int)
+@click.option("--temperatures", default="0", show_default=True, help="Comma-separated, e.g. 0,1.")
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--dtype", default="bf16", show_default=True, type=click.Choice(["bf16", "fp32"]))
+@click.option("--threads", default=None, type=int)
+@click.option("--out", required=True, help="Run folder (a rerun with the same settings continues it).")
+def eval_command(target, drafters, suites, buckets, limit, max_new_tokens, temperatures, seed, dtype, threads, out):
+    """Evaluate drafters side by side against plain decoding; raw JSON + summary.md in --out."""
+    import torch
+
+    from hyflash.evaluation.runner import run_eval
+
+    if threads:
+        torch.set_num_threads(threads)
+    split = [s.strip() for s in suites.split(",") if s.strip()]
+    bks = [b.strip() for b in buckets.split(",") if b.strip()]
+    try:
+        temps = [float(t) for t in temperatures.split(",")]
+    except ValueError:
+        raise HyflashError(f"bad --temperatures {temperatures!r}") from None
+    path = run_eval(target, drafters, split, bks, out, limit, max_new_tokens, temps, seed, dtype,
+                    command="hyflash eval " + " ".join(sys.argv[2:]))
+    click.echo(path.read_text())
+
+
+@cli.command("report")
+@click.argument("runs", nargs=-1, required=True)
+@click.option("--out", required=True, help="Report folder (REPORT.md and plots).")
+def report_command(runs, out):
+    """Tables and plots from one or more `hyflash eval` run folders."""
+    from hyflash.evaluation.report import build_report
+
+    click.echo(str(build_report(list(runs), out)))
 
 
 def _register_train() -> None:

@@ -13,6 +13,7 @@ independent random streams, neither shared with the proposer's.
 
 from __future__ import annotations
 
+import copy
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -133,6 +134,7 @@ class GenerationStats:
     total_ms: float = 0.0
     tokens_per_s: float = 0.0  # new tokens / decode time (after prefill)
     drafter_state_bytes: int = 0
+    target_kv_bytes: int = 0  # key/value bytes the target's cache holds at the end
     stop_reason: str = ""
 
     def to_dict(self) -> dict:
@@ -175,13 +177,37 @@ def verify_block(logits: torch.Tensor, draft: Draft, sampling: SamplingConfig,
     return k, int(torch.multinomial(p[k], 1, generator=sample_gen))
 
 
+@dataclass
+class Prefill:
+    """The target's pass over a prompt, computed once and shared by several generations (e.g. one per drafter in
+    an evaluation): each generation decodes from its own copy of the cache."""
+
+    prompt_ids: list[int]
+    cache: object
+    last_logits: torch.Tensor  # [V] fp32: the prediction after the prompt
+    features: torch.Tensor | None  # [T, F] target features of the prompt (None if not computed)
+    ms: float = 0.0
+
+
+def prefill(target, prompt_ids: list[int], features: bool = True) -> Prefill:
+    """Run the target over ``prompt_ids`` once (see ``Prefill``)."""
+    t0 = time.perf_counter()
+    cache = target.new_cache()
+    out = target.forward(torch.tensor(prompt_ids), cache, features=features)
+    target.rollback(cache, len(prompt_ids))
+    return Prefill(list(prompt_ids), cache, out.logits[-1], out.features, 1e3 * (time.perf_counter() - t0))
+
+
 def generate(target, prompt_ids: list[int], proposer: Proposer | None = None, max_new_tokens: int = 128,
              sampling: SamplingConfig | None = None, stop_strings: tuple[str, ...] | list[str] = (),
-             on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
+             on_tokens: Callable[[list[int]], None] | None = None,
+             shared_prefill: Prefill | None = None) -> GenerationResult:
     """Generate up to ``max_new_tokens`` after ``prompt_ids`` with the target, drafting with ``proposer``.
 
     The output equals the target's own decoding (greedy: token for token; sampling: in distribution).
-    ``on_tokens`` is called with each round's newly committed tokens (streaming).
+    ``on_tokens`` is called with each round's newly committed tokens (streaming). ``shared_prefill``: the target's
+    pass over this prompt from ``prefill()``, reused (its cache is copied, never changed); its time is not counted
+    again (``stats.prefill_ms`` is then the copy's).
     """
     sampling = sampling or SamplingConfig()
     sampling.validate()
@@ -199,13 +225,22 @@ def generate(target, prompt_ids: list[int], proposer: Proposer | None = None, ma
     eos = target.eos_token_ids
     t_start = time.perf_counter()
 
-    cache = target.new_cache()
-    out = target.forward(torch.tensor(prompt_ids), cache, features=proposer.needs_features)
-    target.rollback(cache, len(prompt_ids))
+    if shared_prefill is not None:
+        if list(shared_prefill.prompt_ids) != list(prompt_ids):
+            raise HyflashError("shared_prefill was computed for another prompt")
+        if proposer.needs_features and shared_prefill.features is None:
+            raise HyflashError("shared_prefill has no target features, and this proposer needs them")
+        cache = copy.deepcopy(shared_prefill.cache)
+        last_logits, features = shared_prefill.last_logits, shared_prefill.features
+    else:
+        cache = target.new_cache()
+        out = target.forward(torch.tensor(prompt_ids), cache, features=proposer.needs_features)
+        target.rollback(cache, len(prompt_ids))
+        last_logits, features = out.logits[-1], out.features
     proposer.reset(list(prompt_ids))
-    proposer.commit(list(prompt_ids), out.features)
-    anchor = int(torch.multinomial(target_probs(out.logits[-1], sampling), 1, generator=sample_gen)) \
-        if not sampling.greedy else int(out.logits[-1].argmax())
+    proposer.commit(list(prompt_ids), features if proposer.needs_features else None)
+    anchor = int(torch.multinomial(target_probs(last_logits, sampling), 1, generator=sample_gen)) \
+        if not sampling.greedy else int(last_logits.argmax())
     t_decode = time.perf_counter()
     stats.prefill_ms = 1e3 * (t_decode - t_start)
 
@@ -258,7 +293,17 @@ def generate(target, prompt_ids: list[int], proposer: Proposer | None = None, ma
     decode_s = t_end - t_decode
     stats.tokens_per_s = (len(new) - 1) / decode_s if decode_s > 0 and len(new) > 1 else 0.0
     stats.drafter_state_bytes = proposer.state_bytes()
+    stats.target_kv_bytes = _cache_nbytes(cache)
     return GenerationResult(new, text, stats)
+
+
+def _cache_nbytes(cache) -> int:
+    total = 0
+    for layer in getattr(cache, "layers", []):
+        for x in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if isinstance(x, torch.Tensor):
+                total += x.numel() * x.element_size()
+    return total
 
 
 def _stop_reason(target, new, tok, eos, max_new_tokens, stop_strings) -> str:

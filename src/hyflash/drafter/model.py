@@ -65,7 +65,13 @@ class MemoryBranch(nn.Module):
             conv_state = xk.new_zeros(B, self.K - 1, self.conv_dim)
         padded = torch.cat([conv_state.to(xk.dtype), xk], dim=1)  # [B, K-1+T, C]
         new_state = padded[:, -(self.K - 1):] if self.K > 1 else padded[:, :0]
-        xk = F.silu(self.conv(padded.transpose(1, 2)).transpose(1, 2))  # [B, T, C], causal
+        # the depthwise causal conv as K shifted multiply-adds: same function as self.conv (cross-correlation over
+        # the padded stream), but its backward is far cheaper on CPU than the convolution kernel's
+        w = self.conv.weight[:, 0]                                 # [C, K]
+        acc = self.conv.bias + padded[:, 0:T] * w[:, 0]
+        for i in range(1, self.K):
+            acc = acc + padded[:, i:i + T] * w[:, i]
+        xk = F.silu(acc)  # [B, T, C], causal
         x, k = xk[..., : self.H * self.dv], xk[..., self.H * self.dv:]
         x = x.view(B, T, self.H, self.dv)
         f = _state_dtype(c.dtype)  # decay and gates in fp32 even when the drafter runs in bf16

