@@ -189,10 +189,11 @@ class Prefill:
     ms: float = 0.0
 
 
-def prefill(target, prompt_ids: list[int], features: bool = True) -> Prefill:
-    """Run the target over ``prompt_ids`` once (see ``Prefill``)."""
+def prefill(target, prompt_ids: list[int], features: bool = True, capacity: int | None = None) -> Prefill:
+    """Run the target over ``prompt_ids`` once (see ``Prefill``); ``capacity``: tokens the cache must hold later
+    (prompt + new tokens; matters only on the fast path's static cache)."""
     t0 = time.perf_counter()
-    cache = target.new_cache()
+    cache = target.new_cache(capacity)
     out = target.forward(torch.tensor(prompt_ids), cache, features=features)
     target.rollback(cache, len(prompt_ids))
     return Prefill(list(prompt_ids), cache, out.logits[-1], out.features, 1e3 * (time.perf_counter() - t0))
@@ -233,7 +234,7 @@ def generate(target, prompt_ids: list[int], proposer: Proposer | None = None, ma
         cache = copy.deepcopy(shared_prefill.cache)
         last_logits, features = shared_prefill.last_logits, shared_prefill.features
     else:
-        cache = target.new_cache()
+        cache = target.new_cache(len(prompt_ids) + max_new_tokens + 1)
         out = target.forward(torch.tensor(prompt_ids), cache, features=proposer.needs_features)
         target.rollback(cache, len(prompt_ids))
         last_logits, features = out.logits[-1], out.features
@@ -298,6 +299,8 @@ def generate(target, prompt_ids: list[int], proposer: Proposer | None = None, ma
 
 
 def _cache_nbytes(cache) -> int:
+    if hasattr(cache, "capacity"):  # hyflash.fast.StaticCache
+        return cache.nbytes()
     total = 0
     for layer in getattr(cache, "layers", []):
         for x in (getattr(layer, "keys", None), getattr(layer, "values", None)):

@@ -180,11 +180,13 @@ class Target:
         if max(self.feature_layers) >= self.num_layers or min(self.feature_layers) < 0:
             raise HyflashError(f"feature layers {self.feature_layers} out of range for {self.num_layers} layers")
         self.eos_token_ids = self._eos_ids()
+        self.lean = None  # hyflash.fast.LeanLlama when loaded with fast=True
 
     # ----------------------------------------------------------------- loading
     @classmethod
     def load(cls, target: str | os.PathLike | None = None, dtype: str | torch.dtype = "bf16",
-             feature_layers: list[int] | None = None, threads: int | None = None) -> "Target":
+             feature_layers: list[int] | None = None, threads: int | None = None, fast: bool = False) -> "Target":
+        """``fast``: run the target through our lean forward with a static KV cache (hyflash.fast; Llama only)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if threads:
@@ -196,7 +198,18 @@ class Target:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype))
         except OSError as e:
             raise HyflashError(f"could not load target {target!r}: {e}") from None
-        return cls(model, tokenizer, name, feature_layers)
+        out = cls(model, tokenizer, name, feature_layers)
+        if fast:
+            out.use_fast_path()
+        return out
+
+    def use_fast_path(self) -> None:
+        from hyflash import fast
+
+        if not fast.supports(self.model):
+            raise HyflashError(f"the fast path covers Llama-architecture targets; {self.name} is "
+                               f"{getattr(self.text_config, 'model_type', '?')}")
+        self.lean = fast.LeanLlama(self.model)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -233,7 +246,10 @@ class Target:
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.get_output_embeddings()(hidden)
 
-    def new_cache(self):
+    def new_cache(self, capacity: int | None = None):
+        """An empty KV cache (``capacity``: tokens to preallocate on the fast path; default the context window)."""
+        if self.lean is not None:
+            return self.lean.new_cache(min(capacity or self.max_context, self.max_context))
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self.config)
@@ -243,7 +259,8 @@ class Target:
 
     @staticmethod
     def cache_length(cache) -> int:
-        return cache.get_seq_length()
+        length = getattr(cache, "length", None)  # hyflash.fast.StaticCache
+        return length if isinstance(length, int) else cache.get_seq_length()
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, cache, features: bool = True) -> TargetOutput:
@@ -253,6 +270,9 @@ class Target:
         if start + ids.shape[1] > self.max_context:
             raise HyflashError(f"sequence of {start + ids.shape[1]} tokens exceeds the target's context "
                                f"window of {self.max_context}")
+        if self.lean is not None and hasattr(cache, "capacity"):
+            logits, feats = self.lean.forward(ids[0], cache, self.feature_layers if features else None)
+            return TargetOutput(logits, feats)
         # sliding-window layers can only roll back into the block of the latest forward (see rollback)
         cache.hyflash_floor = start
         positions = torch.arange(start, start + ids.shape[1], device=self.device)
@@ -269,6 +289,9 @@ class Target:
         current = self.cache_length(cache)
         if length > current or length < 0:
             raise ValueError(f"cannot roll back a cache of {current} tokens to {length}")
+        if hasattr(cache, "capacity"):  # static cache: entries past the length are simply overwritten later
+            cache.length = length
+            return
         sliding = any(getattr(layer, "is_sliding", False) for layer in cache.layers)
         if sliding and length < getattr(cache, "hyflash_floor", 0):
             # a sliding layer keeps window-1 keys plus the latest block; older ones are gone after the first crop

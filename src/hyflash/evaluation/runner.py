@@ -180,7 +180,8 @@ def run_eval(target_spec: str, drafters: str, suites: list[str], buckets: list[s
             item.prompt_ids = S.second_turn_ids(target, item.first_turn, first_answers[item.id])
         if len(item.prompt_ids) + 1 >= target.max_context:
             continue
-        shared = prefill(target, item.prompt_ids, features=needs_features)
+        shared = prefill(target, item.prompt_ids, features=needs_features,
+                         capacity=len(item.prompt_ids) + max_new_tokens + 1)
         if i % 2:
             todo = todo[::-1]  # alternate the order so that no system always runs first
         for label, t in todo:

@@ -1,0 +1,64 @@
+"""The lean forward with a static KV cache computes the same function as the transformers path."""
+
+import pytest
+import torch
+
+from conftest import tiny_gemma3, tiny_llama
+from hyflash import HyflashError
+from hyflash.decoding import SamplingConfig, generate
+from hyflash.proposers import NgramProposer, RandomProposer
+
+
+def both(seed=0, dtype=torch.float64):
+    slow = tiny_llama(vocab=50, hidden=32, seed=seed, dtype=dtype)
+    fast = tiny_llama(vocab=50, hidden=32, seed=seed, dtype=dtype)
+    fast.use_fast_path()
+    return slow, fast
+
+
+def test_logits_and_features_match_through_blocks_and_rollbacks(one_thread):
+    slow, fast = both()
+    ids = torch.randint(1, 49, (30,), generator=torch.Generator().manual_seed(0))
+    cs, cf = slow.new_cache(), fast.new_cache(64)
+    for a, b, keep in [(0, 17, 17), (17, 24, 20), (20, 21, 21), (21, 30, 25)]:  # prefill, blocks, rollbacks
+        os_, of = slow.forward(ids[a:b], cs), fast.forward(ids[a:b], cf)
+        assert torch.allclose(os_.logits, of.logits, atol=1e-10, rtol=1e-10)
+        assert torch.allclose(os_.features, of.features, atol=1e-10, rtol=1e-10)
+        slow.rollback(cs, keep)
+        fast.rollback(cf, keep)
+        assert slow.cache_length(cs) == fast.cache_length(cf) == keep
+    assert fast.forward(ids[:2], cf, features=False).features is None
+    with pytest.raises(ValueError):
+        fast.rollback(cf, 99)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_generation_is_identical_on_the_fast_path(one_thread, temperature):
+    slow, fast = both(seed=1)
+    prompt = torch.randint(1, 49, (25,), generator=torch.Generator().manual_seed(2)).tolist()
+    for make in (lambda: None, lambda: NgramProposer(), lambda: RandomProposer(50, seed=4)):
+        kw = dict(max_new_tokens=30, sampling=SamplingConfig(temperature=temperature, seed=7))
+        a, b = generate(slow, prompt, make(), **kw), generate(fast, prompt, make(), **kw)
+        assert a.token_ids == b.token_ids
+        assert b.stats.target_kv_bytes == (len(prompt) + len(b.token_ids) - 1) * 3 * 2 * 2 * 8 * 8
+
+
+def test_static_cache_capacity_and_unsupported_architectures(one_thread):
+    _, fast = both()
+    cache = fast.new_cache(5)
+    with pytest.raises(ValueError):
+        fast.forward(torch.arange(1, 7), cache)
+    with pytest.raises(HyflashError):
+        tiny_gemma3().use_fast_path()
+
+
+@pytest.mark.slow
+def test_smollm2_fast_path_greedy_matches_transformers(smollm2_fp32):
+    from hyflash.target import Target
+
+    fast = Target.load("smollm2-135m", dtype="fp32", fast=True)
+    for prompt in ("Write a short poem about the sea.", "List three prime numbers and explain why they are prime."):
+        ids = smollm2_fp32.encode(prompt)
+        a = generate(smollm2_fp32, ids, None, max_new_tokens=48)
+        b = generate(fast, ids, NgramProposer(), max_new_tokens=48)
+        assert a.token_ids == b.token_ids
