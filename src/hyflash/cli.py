@@ -146,6 +146,23 @@ def report_command(runs, out):
     click.echo(str(build_report(list(runs), out)))
 
 
+@cli.command("quantize")
+@click.argument("drafter")
+@click.option("--out", required=True, help="Folder for the 4-bit checkpoint.")
+@click.option("--target", default="smollm2-135m", show_default=True)
+@click.option("--data", required=True, help="Training feature store to calibrate on (hyflash.data.features).")
+@click.option("--sequences", default=32, show_default=True, type=int, help="Calibration sequences.")
+@click.option("--group-size", default=64, show_default=True, type=int)
+@click.option("--seed", default=0, show_default=True, type=int)
+def quantize_command(drafter, out, target, data, sequences, group_size, seed):
+    """GPTQ 4-bit weights for a drafter checkpoint, calibrated on training features."""
+    from hyflash.quant import quantize_command_impl
+
+    info = quantize_command_impl(drafter, out, target, data, sequences, group_size, seed)
+    click.echo(f"{len(info['quantized'])} linear layers at 4 bits (group {group_size}): weights "
+               f"{info['weight_bytes'] / 2**20:.2f} MiB, bf16 {info['bf16_weight_bytes'] / 2**20:.2f} MiB -> {out}")
+
+
 def _register_train() -> None:
     from hyflash.train import train_command
 

@@ -318,8 +318,13 @@ def from_pretrained(path, target, dtype: torch.dtype | None = None) -> HyFlashDr
     if list(cfg.target_layers) != list(target.feature_layers):
         target.feature_layers = list(cfg.target_layers)  # the drafter decides which target layers it reads
     try:
-        state = load_file(str(path / WEIGHTS_NAME))
-    except (SafetensorError, OSError, ValueError) as e:
+        if (path / "quantization.json").exists():  # a 4-bit GPTQ checkpoint (hyflash.quant): dequantise
+            from hyflash.quant import dequantized_state
+
+            state = dequantized_state(path)
+        else:
+            state = load_file(str(path / WEIGHTS_NAME))
+    except (SafetensorError, OSError, ValueError, KeyError) as e:
         raise HyflashError(f"corrupt drafter weights {path / WEIGHTS_NAME}: {e}") from None
     embed, head = target_weights(target)
     drafter = HyFlashDrafter(cfg, embed, head)
