@@ -14,20 +14,21 @@ import torch.nn.functional as F
 
 
 class StaticCache:
-    """Keys/values of every layer in one preallocated buffer [layers, 1, kv_heads, capacity, head_dim]."""
+    """Keys/values preallocated per layer, each [1, kv_heads, capacity, head_dim] (a buffer per layer rather than one
+    shared tensor: writes into slices of one big tensor defeat torch.compile, TARGETS.md)."""
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, capacity: int, dtype, device=None):
-        self.k = torch.zeros(layers, 1, kv_heads, capacity, head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros_like(self.k)
+        self.k = [torch.zeros(1, kv_heads, capacity, head_dim, dtype=dtype, device=device) for _ in range(layers)]
+        self.v = [torch.zeros_like(k) for k in self.k]
         self.capacity, self.length = capacity, 0
 
     def nbytes(self) -> int:
-        """Bytes of the keys/values held (the committed length; the buffer itself is ``capacity`` long)."""
-        per_token = 2 * self.k.shape[0] * self.k.shape[2] * self.k.shape[4] * self.k.element_size()
-        return per_token * self.length
+        """Bytes of the keys/values held (the committed length; the buffers are ``capacity`` long)."""
+        k = self.k[0]
+        return 2 * len(self.k) * k.shape[1] * k.shape[3] * k.element_size() * self.length
 
     def allocated_bytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
+        return 2 * len(self.k) * self.k[0].numel() * self.k[0].element_size()
 
 
 def supports(model) -> bool:
@@ -104,9 +105,10 @@ class LeanLlama:
             k = qkv[:, H * hd:(H + Hkv) * hd].view(n, Hkv, hd).transpose(0, 1)
             v = qkv[:, (H + Hkv) * hd:].view(n, Hkv, hd).transpose(0, 1)
             q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
-            cache.k[i, 0, :, start:end] = k
-            cache.v[i, 0, :, start:end] = v
-            o = F.scaled_dot_product_attention(q[None], cache.k[i, :, :, :end], cache.v[i, :, :, :end],
+            ck, cv = cache.k[i], cache.v[i]
+            ck[0, :, start:end] = k
+            cv[0, :, start:end] = v
+            o = F.scaled_dot_product_attention(q[None], ck[:, :, :end], cv[:, :, :end],
                                                attn_mask=mask, scale=self.scale, enable_gqa=True)
             h = h + o[0].transpose(0, 1).reshape(n, H * hd) @ w_o.t()
             gu = self._norm(h, w_post) @ w_gu.t()
