@@ -34,10 +34,12 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=None, help="write raw per-prompt results as JSON here")
+    ap.add_argument("--tau-only", action="store_true",
+                    help="acceptance only: no plain-decoding baseline, no speed ratios (e.g. for temperature 1.0)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     names = args.drafters.split(",")
-    if "none" not in names:
+    if "none" not in names and not args.tau_only:
         names = ["none"] + names
     target = Target.load(args.target, dtype=args.dtype)
     questions = list(SOURCES["mtbench"].read())[: args.limit]
@@ -60,6 +62,15 @@ def main():
     print(machine_line())
     print(f"# MT-Bench first turns: {len(rows)} prompts | target {target.name} {args.dtype} | "
           f"max_new_tokens {args.max_new_tokens} | temperature {args.temperature}")
+    if args.tau_only:
+        print(f"{'system':<40}{'tau':>7}{'rounds':>8}{'tokens':>8}")
+        for n in names:
+            rounds = sum(r[n]["rounds"] for r in rows)
+            committed = sum(r[n]["rounds"] * r[n]["tau"] for r in rows)
+            print(f"{n[-40:]:<40}{committed / rounds:>7.2f}{rounds:>8}{sum(r[n]['tokens'] for r in rows):>8}")
+        print("# tau: tokens committed per verification round, pooled over prompts")
+        _save(args, rows)
+        return
     print(f"{'system':<40}{'tau':>7}{'tok/s':>9}{'tok/s vs none':>15}{'speedup (median)':>18}"
           f"{'same tokens as none':>21}")
 
@@ -75,7 +86,12 @@ def main():
               f"{speedup:>17.2f}x{same:>15}/{len(rows)}")
     print("# tau: tokens committed per verification round (pooled over prompts); tok/s vs none: pooled decode tokens/s"
           " over plain decoding's; speedup: median over prompts of the per-prompt ratio")
+    _save(args, rows)
+
+
+def _save(args, rows):
     if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({"machine": machine_line(), "args": vars(args), "rows": rows,
                                               "time": time.time()}, indent=1))
 

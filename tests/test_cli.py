@@ -50,3 +50,22 @@ def test_bad_input_gets_a_clear_error(smollm2_fp32, tmp_path):
     save_pretrained(new_drafter(cfg, tiny, dtype=torch.float32), tmp_path / "other")
     assert_clean_error(hyflash("generate", "hi", "--drafter", str(tmp_path / "other")), "trained for target")
     assert_clean_error(hyflash("generate", "hi", "--target", str(tmp_path / "missing")), "target not found")
+
+
+@pytest.mark.slow
+def test_shipped_drafter_is_the_default_and_lossless(smollm2_fp32):
+    from hyflash.decoding import generate
+    from hyflash.proposers import HyFlashProposer, LookupThenDrafter, load_proposer, shipped_drafter_path
+
+    path = shipped_drafter_path(smollm2_fp32)
+    assert path is not None and (path / "model.safetensors").stat().st_size < 40 * 2**20  # small, in the repo
+    proposer = load_proposer("auto", smollm2_fp32)
+    assert isinstance(proposer, HyFlashProposer)
+    assert isinstance(load_proposer("ngram+auto", smollm2_fp32), LookupThenDrafter)
+    ids = smollm2_fp32.encode("Give three tips for staying focused while studying.")
+    plain = generate(smollm2_fp32, ids, None, max_new_tokens=40)
+    spec = generate(smollm2_fp32, ids, proposer, max_new_tokens=40)
+    assert spec.token_ids == plain.token_ids and spec.stats.acceptance_length > 1.0
+    proc = hyflash("generate", "Name two fruits.", "--json", "--max-new-tokens", "12")  # --drafter auto
+    assert proc.returncode == 0 and "no drafter shipped" not in proc.stderr
+    assert json.loads(proc.stdout)["stats"]["drafter_state_bytes"] > 0
