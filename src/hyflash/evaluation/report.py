@@ -29,14 +29,10 @@ def load_run(run_dir) -> tuple[dict, list[dict]]:
     header_path, raw_path = run_dir / "run.json", run_dir / "raw.jsonl"
     if not header_path.exists() or not raw_path.exists():
         raise HyflashError(f"{run_dir} is not an evaluation run (needs run.json and raw.jsonl)")
+    from hyflash.evaluation.runner import read_jsonl
+
     header = json.loads(header_path.read_text())
-    rows = []
-    with open(raw_path) as f:
-        for line in f:
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                break
+    rows = read_jsonl(raw_path)
     for r in rows:
         r["_run"] = str(run_dir)
     return header, rows

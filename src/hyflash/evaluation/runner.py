@@ -95,7 +95,7 @@ def build_items(target, suites: list[str], buckets: list[str], limit: int, seed:
     return items
 
 
-def _read_jsonl(path: Path) -> list[dict]:
+def read_jsonl(path: Path) -> list[dict]:
     if not path.exists():
         return []
     out = []
@@ -162,9 +162,9 @@ def run_eval(target_spec: str, drafters: str, suites: list[str], buckets: list[s
     proposers = {label: load_proposer(spec, target, seed=seed) for label, spec in labels.items()}
     needs_features = any(p.needs_features for p in proposers.values())
     raw_path, first_path = out / "raw.jsonl", out / "first_turns.jsonl"
-    done = {(r["item"], r["drafter"], r["temperature"]) for r in _read_jsonl(raw_path)}
+    done = {(r["item"], r["drafter"], r["temperature"]) for r in read_jsonl(raw_path)}
     _rewrite_complete(raw_path)
-    first_answers = {r["item"]: r["text"] for r in _read_jsonl(first_path)}
+    first_answers = {r["item"]: r["text"] for r in read_jsonl(first_path)}
     temps = [float(t) for t in temperatures]
 
     for i, item in enumerate(tqdm(items, desc="eval", unit="item", dynamic_ncols=True)):
@@ -204,7 +204,7 @@ def _rewrite_complete(path: Path) -> None:
     """Drop a trailing line cut by a kill, so that appends start on a clean line."""
     if not path.exists():
         return
-    rows = _read_jsonl(path)
+    rows = read_jsonl(path)
     text = "".join(json.dumps(r) + "\n" for r in rows)
     if path.read_text() != text:
         tmp = path.with_suffix(".tmp")
