@@ -123,6 +123,22 @@ def test_final_checkpoint_drives_lossless_decoding(target, store, tmp_path):
     assert spec.stats.rounds < len(plain.token_ids)  # it drafted (and some drafts were accepted)
 
 
+def test_second_stage_starts_from_the_first_stages_drafter(target, store, tmp_path):
+    """init_from: stage 2 begins with stage 1's exported weights and draft vocabulary (its step-0 validation τ̂
+    equals the exported drafter's); a drafter of another shape is refused with a clear error."""
+    train(tiny_config(steps=8, draft_vocab=12), tmp_path / "one", target, store)
+    first = from_pretrained(tmp_path / "one" / "final", target, dtype=torch.float32)
+    stage2 = tiny_config(steps=1, lr=1e-30, min_lr=1e-30, draft_vocab=12, init_from=str(tmp_path / "one" / "final"))
+    second = train(stage2, tmp_path / "two", target, store)
+    assert torch.equal(second.draft_vocab, first.draft_vocab)
+    got, want = second.state_dict(), first.state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)  # lr 1e-30: one step moves nothing
+    other = tiny_config(steps=1, draft_vocab=12, init_from=str(tmp_path / "one" / "final"),
+                        drafter={**DRAFTER, "intermediate_size": 48})
+    with pytest.raises(HyflashError, match="intermediate_size"):
+        train(other, tmp_path / "three", target, store)
+
+
 # ---------------------------------------------------------------------------------------------- the pieces
 def test_anchors_and_supervised_slots_stay_inside_spans():
     """Anchors lie in a span; slot j (learning labels[a + j], the token at a + j + 1) is supervised exactly when

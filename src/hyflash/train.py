@@ -71,6 +71,7 @@ class TrainConfig:
     bf16: bool = True  # bf16 autocast (fp32 master weights)
     init_from_target: bool = False  # drafter layers start as copies of target layers from the top half
     draft_vocab: int = 0  # reduced output vocabulary: the N most frequent target labels (0 = the full vocabulary)
+    init_from: str = ""  # a saved drafter (save_pretrained directory) to start from: a second training stage
     # bookkeeping
     seed: int = 0
     ckpt_every: int = 250
@@ -345,6 +346,25 @@ def top_half_layers(n_target: int, n_drafter: int) -> list[int]:
     return [round(lo + (hi - lo) * (i + 1) / n_drafter) for i in range(n_drafter)]
 
 
+def init_from_drafter(drafter: HyFlashDrafter, path, target) -> list[str]:
+    """Copy every weight (and the draft vocabulary) of the saved drafter at ``path`` into ``drafter``, which must
+    have the same architecture: a later training stage continues where an earlier one ended."""
+    from hyflash.drafter.model import from_pretrained
+
+    source = from_pretrained(path, target, dtype=torch.float32)
+    ignore = {"target_name", "target_fingerprint"}
+    mine = {k: v for k, v in drafter.config.to_dict().items() if k not in ignore}
+    theirs = {k: v for k, v in source.config.to_dict().items() if k not in ignore}
+    if mine != theirs:
+        diff = sorted(k for k in mine if mine[k] != theirs.get(k))
+        raise HyflashError(f"init_from drafter {path} differs from the recipe's drafter in {diff}")
+    state = source.state_dict()
+    drafter.load_state_dict(state)
+    if drafter.draft_vocab is not None:
+        drafter.set_draft_vocab(drafter.draft_vocab.clone())
+    return sorted(state)
+
+
 @torch.no_grad()
 def init_from_target(drafter: HyFlashDrafter, target) -> list[str]:
     """Copy attention q/k/v/o (and q/k norms where the target has them), MLP gate/up/down and both norms from target
@@ -512,9 +532,13 @@ def train(cfg: TrainConfig, out_dir, target=None, store=None, resume: bool = Tru
     torch.manual_seed(cfg.seed)
     dcfg = DrafterConfig.from_dict({**cfg.drafter.to_dict(), "draft_vocab_size": cfg.draft_vocab})
     drafter = new_drafter(dcfg, target, dtype=torch.float32).train()
-    if cfg.draft_vocab and not found:
+    if cfg.init_from and not found:
+        copied = init_from_drafter(drafter, cfg.init_from, target)
+        if main:
+            print(f"hyflash: started from the drafter in {cfg.init_from} ({len(copied)} tensors)", file=sys.stderr)
+    elif cfg.draft_vocab and not found:
         drafter.set_draft_vocab(draft_vocabulary(store, train_idx, cfg.draft_vocab, target.vocab_size))
-    if cfg.init_from_target and not found:
+    if cfg.init_from_target and not found and not cfg.init_from:
         copied = init_from_target(drafter, target)
         if main:
             print(f"hyflash: initialised {len(copied)} tensors from the target: {copied}", file=sys.stderr)
@@ -644,15 +668,19 @@ def plot_losses(out_dir) -> Path | None:
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Output directory.")
 @click.option("--steps", type=int, default=None, help="Override the recipe's number of steps.")
 @click.option("--data", default=None, help="Override the recipe's feature store directory.")
+@click.option("--init-from", default=None, type=click.Path(file_okay=False),
+              help="Override the recipe's init_from: a saved drafter to continue training from.")
 @click.option("--resume/--no-resume", default=True, show_default=True,
               help="Continue from the latest checkpoint in --out (--no-resume refuses a directory that has one).")
-def train_command(recipe, out, steps, data, resume):
+def train_command(recipe, out, steps, data, init_from, resume):
     """Train a drafter from a recipe; resumable; several processes under torchrun."""
     cfg = load_recipe(recipe)
     if steps is not None:
         cfg.steps = steps
     if data is not None:
         cfg.data = data
+    if init_from is not None:
+        cfg.init_from = init_from
     train(cfg, out, resume=resume)
 
 
