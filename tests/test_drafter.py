@@ -232,3 +232,42 @@ def test_lookup_then_drafter_is_lossless_and_uses_both():
     assert combo.drafter.state.n == alone.state.n
     assert all(torch.allclose(a, b, rtol=1e-9, atol=1e-12)
                for a, b in zip(combo.drafter.state.memories, alone.state.memories))
+
+
+def test_confidence_cuts_the_block_where_the_drafters_own_estimate_falls():
+    """Adaptive block length: the draft is the leading slots whose running product of the drafter's probabilities
+    of its own tokens stays >= confidence; generation stays lossless (greedy) and shorter drafts mean more rounds."""
+    target = tiny_llama(vocab=50, hidden=32)
+    torch.manual_seed(0)
+    drafter = new_drafter(DrafterConfig(**{**TINY, "hidden_size": 32}), target)
+    with torch.no_grad():
+        drafter.head_weight.mul_(8)  # sharpen the untrained drafter so its probabilities spread over (0, 1)
+    prompt = torch.randint(1, 49, (20,)).tolist()
+    full = HyFlashProposer(drafter)
+    full.reset(prompt)
+    full.commit(prompt, target.forward(torch.tensor(prompt), target.new_cache()).features)
+    with torch.no_grad():
+        probs = drafter.logits(full.state.draft_hidden(7)).double().softmax(-1)
+    running = probs.max(-1).values.cumprod(0)
+    assert running[0] > running[-1]
+    for cut in (1, 2, 3):
+        cut_at = HyFlashProposer(drafter, confidence=float(running[cut - 1]) - 1e-7)
+        cut_at.state = full.state
+        assert cut_at.draft(7, 7, SamplingConfig()).tokens == full.draft(7, 7, SamplingConfig()).tokens[:cut]
+    never = HyFlashProposer(drafter, confidence=1.0)
+    never.state = full.state
+    assert never.draft(7, 7, SamplingConfig()).tokens == []
+    sampled = HyFlashProposer(drafter, seed=0, confidence=float(running[1]))
+    sampled.state = full.state
+    sampled.gen = torch.Generator().manual_seed(0)
+    d = sampled.draft(7, 7, SamplingConfig(temperature=1.0))
+    assert d.probs.shape[0] == len(d.tokens) <= 4  # q is returned for exactly the slots sent
+    plain = generate(target, prompt, None, max_new_tokens=40)
+    spec = generate(target, prompt, HyFlashProposer(drafter, confidence=float(running[1])), max_new_tokens=40)
+    every = generate(target, prompt, HyFlashProposer(drafter), max_new_tokens=40)
+    assert spec.token_ids == plain.token_ids == every.token_ids
+    assert spec.stats.drafted < every.stats.drafted
+    with pytest.raises(HyflashError, match="confidence"):
+        HyFlashProposer(drafter, confidence=1.5)
+    with pytest.raises(HyflashError, match="bad confidence"):
+        load_proposer("auto@high", target)

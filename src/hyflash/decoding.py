@@ -126,6 +126,7 @@ class GenerationStats:
     prompt_tokens: int = 0
     new_tokens: int = 0
     rounds: int = 0
+    drafted: int = 0  # draft tokens sent to verification, all rounds together
     acceptance_length: float = 0.0  # tokens committed per verification round, the target's own token included
     committed_histogram: dict[int, int] = field(default_factory=dict)  # committed tokens per round -> rounds
     prefill_ms: float = 0.0
@@ -269,6 +270,7 @@ def generate(target, prompt_ids: list[int], proposer: Proposer | None = None, ma
         proposer.commit(accepted, None if out.features is None else out.features[:m + 1])
         round_tokens = draft.tokens[:m] + [bonus]
         stats.rounds += 1
+        stats.drafted += len(draft.tokens)
         # stop inside the block: EOS, stop string or token budget end the round where they occur
         emitted = []
         for tok in round_tokens:

@@ -85,10 +85,17 @@ class HyFlashProposer:
 
     needs_features = True
 
-    def __init__(self, drafter: drafter_model.HyFlashDrafter, seed: int | None = None):
+    def __init__(self, drafter: drafter_model.HyFlashDrafter, seed: int | None = None, confidence: float = 0.0):
+        if not 0.0 <= confidence <= 1.0:
+            raise HyflashError(f"confidence must be in [0, 1], got {confidence}")
         self.drafter = drafter.eval()
         self.block_size = drafter.config.block_size
         self.seed = seed
+        # Adaptive block length: keep drafted slots while the product of the drafter's probabilities of its own
+        # tokens stays >= confidence (its estimate that the target accepts that far). The target's verify cost grows
+        # with the block; slots it will almost surely reject are not worth sending. 0 keeps every slot. Any cut is
+        # exact: verification of a shorter draft follows the same acceptance rule.
+        self.confidence = confidence
         self.state: DrafterState | None = None
 
     @classmethod
@@ -112,10 +119,13 @@ class HyFlashProposer:
         if d.config.causal_head_rank == 0:
             logits = d.logits(h)
             if sampling.greedy:
-                return Draft(d.token_ids(logits.argmax(-1)).tolist())
+                index = logits.argmax(-1)
+                keep = self._keep(logits.to(torch.promote_types(logits.dtype, torch.float32)).softmax(-1), index)
+                return Draft(d.token_ids(index[:keep]).tolist())
             q = target_probs(logits, sampling)
-            tokens = d.token_ids(torch.multinomial(q, 1, generator=self.gen)[:, 0])
-            return Draft(tokens.tolist(), d.full_vocab(q))
+            index = torch.multinomial(q, 1, generator=self.gen)[:, 0]
+            keep = self._keep(q, index)
+            return Draft(d.token_ids(index[:keep]).tolist(), d.full_vocab(q[:keep]))
         tokens, probs, prev = [], [], anchor
         for i in range(k):  # left to right: slot i's logits are biased by the token drafted at slot i−1
             hi = h[i] if i == 0 else h[i] + d.causal_bias_hidden(torch.tensor(prev, device=h.device))
@@ -125,6 +135,13 @@ class HyFlashProposer:
             tokens.append(prev)
             probs.append(q)
         return Draft(tokens, None if sampling.greedy else d.full_vocab(torch.stack(probs)))
+
+    def _keep(self, probs: torch.Tensor, index: torch.Tensor) -> int:
+        """How many leading slots to send: all, or those whose running product of probabilities stays >= confidence."""
+        if self.confidence <= 0.0:
+            return len(index)
+        running = probs.gather(-1, index[:, None])[:, 0].cumprod(0)
+        return int((running >= self.confidence).sum())  # a running product only falls: the kept slots lead
 
     def state_bytes(self) -> int:
         return 0 if self.state is None else self.state.nbytes()
@@ -164,14 +181,23 @@ class LookupThenDrafter:
         return self.lookup.state_bytes() + self.drafter.state_bytes()
 
 
-def load_proposer(spec: str, target, block_size: int | None = None, seed: int | None = None):
+def load_proposer(spec: str, target, block_size: int | None = None, seed: int | None = None,
+                  confidence: float | None = None):
     """``none`` | ``ngram`` | ``random`` | ``auto`` (the drafter shipped for this target, else ngram) | a drafter
-    checkpoint directory | ``ngram+auto`` or ``ngram+PATH`` (prompt lookup when it matches, else that drafter)."""
+    checkpoint directory | ``ngram+auto`` or ``ngram+PATH`` (prompt lookup when it matches, else that drafter).
+    A drafter spec may end in ``@C`` (e.g. ``auto@0.1``): adaptive block length with that confidence
+    (``HyFlashProposer``); ``confidence`` does the same for a spec without one."""
+    if "@" in spec:
+        spec, _, value = spec.rpartition("@")
+        try:
+            confidence = float(value)
+        except ValueError:
+            raise HyflashError(f"bad confidence {value!r} after @ in the drafter spec (want e.g. auto@0.1)") from None
     if spec.startswith("ngram+"):
         inner = spec[len("ngram+"):]
         if inner == "auto" and shipped_drafter_path(target) is None:
             raise HyflashError(f"no drafter shipped for {target.name}: use ngram, or ngram+PATH")
-        drafter = load_proposer(inner, target, block_size, seed)
+        drafter = load_proposer(inner, target, block_size, seed, confidence)
         if not isinstance(drafter, HyFlashProposer):
             raise HyflashError(f"ngram+ needs a drafter checkpoint after the +, not {inner!r}")
         return LookupThenDrafter(drafter)
@@ -188,4 +214,4 @@ def load_proposer(spec: str, target, block_size: int | None = None, seed: int | 
         spec = str(path)
     if not Path(spec).exists():
         raise HyflashError(f"unknown drafter {spec!r}: not none/ngram/auto and no such checkpoint directory")
-    return HyFlashProposer.from_pretrained(spec, target, seed=seed)
+    return HyFlashProposer.from_pretrained(spec, target, seed=seed, confidence=confidence or 0.0)
