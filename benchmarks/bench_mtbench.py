@@ -33,6 +33,8 @@ def main():
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--fast", action=argparse.BooleanOptionalAction, default=True,
+                    help="our lean target forward with a static KV cache (the engine hyflash generate uses)")
     ap.add_argument("--out", default=None, help="write raw per-prompt results as JSON here")
     ap.add_argument("--tau-only", action="store_true",
                     help="acceptance only: no plain-decoding baseline, no speed ratios (e.g. for temperature 1.0)")
@@ -41,7 +43,7 @@ def main():
     names = args.drafters.split(",")
     if "none" not in names and not args.tau_only:
         names = ["none"] + names
-    target = Target.load(args.target, dtype=args.dtype)
+    target = Target.load(args.target, dtype=args.dtype, fast=args.fast or False)
     questions = list(SOURCES["mtbench"].read())[: args.limit]
     proposers = {n: load_proposer(n, target, seed=args.seed) for n in names}
     generate(target, target.encode("Hello"), None, max_new_tokens=4)  # warm-up
@@ -61,7 +63,8 @@ def main():
 
     print(machine_line())
     print(f"# MT-Bench first turns: {len(rows)} prompts | target {target.name} {args.dtype} | "
-          f"max_new_tokens {args.max_new_tokens} | temperature {args.temperature}")
+          f"max_new_tokens {args.max_new_tokens} | temperature {args.temperature} | "
+          f"engine {'fast path' if target.fast else 'transformers forward'}")
     if args.tau_only:
         print(f"{'system':<40}{'tau':>7}{'rounds':>8}{'tokens':>8}")
         for n in names:

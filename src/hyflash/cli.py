@@ -47,9 +47,11 @@ def cli():
 @click.option("--dtype", default="bf16", show_default=True, type=click.Choice(["bf16", "fp32"]))
 @click.option("--stop", "stop_strings", multiple=True, help="Stop string (repeatable).")
 @click.option("--threads", default=None, type=int, help="torch CPU threads.")
+@click.option("--fast/--no-fast", default=None,
+              help="Our lean target forward with a static KV cache (default: where it covers the architecture).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object {text, token_ids, stats} and nothing else.")
 def generate(prompt, target, drafter, max_new_tokens, temperature, top_k, top_p, seed, chat, dtype, stop_strings,
-             threads, as_json):
+             threads, fast, as_json):
     """Generate text for PROMPT, streaming it, then print the decoding statistics."""
     from hyflash.decoding import SamplingConfig, generate as run
     from hyflash.target import Target
@@ -58,7 +60,7 @@ def generate(prompt, target, drafter, max_new_tokens, temperature, top_k, top_p,
         raise HyflashError("the prompt is empty")
     from hyflash.proposers import load_proposer, shipped_drafter_path
 
-    tgt = Target.load(target, dtype=dtype, threads=threads)
+    tgt = Target.load(target, dtype=dtype, threads=threads, fast=fast)
     if drafter == "auto" and shipped_drafter_path(tgt) is None:
         click.echo(f"hyflash: no drafter shipped for {tgt.name} yet; drafting with prompt lookup (ngram)", err=True)
     proposer = load_proposer(drafter, tgt, seed=seed)
@@ -70,6 +72,7 @@ def generate(prompt, target, drafter, max_new_tokens, temperature, top_k, top_p,
     stats = result.stats.to_dict()
     stats["drafter"] = drafter
     stats["target"] = tgt.name
+    stats["fast_path"] = tgt.fast
     if as_json:
         click.echo(json.dumps({"text": result.text, "token_ids": result.token_ids, "stats": stats}))
         return
@@ -116,8 +119,11 @@ def budget(target, drafter, context, weight_bits, embed_bits, kv_bits, drafter_b
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--dtype", default="bf16", show_default=True, type=click.Choice(["bf16", "fp32"]))
 @click.option("--threads", default=None, type=int)
+@click.option("--fast/--no-fast", default=None,
+              help="Our lean target forward with a static KV cache (default: where it covers the architecture).")
 @click.option("--out", required=True, help="Run folder (a rerun with the same settings continues it).")
-def eval_command(target, drafters, suites, buckets, limit, max_new_tokens, temperatures, seed, dtype, threads, out):
+def eval_command(target, drafters, suites, buckets, limit, max_new_tokens, temperatures, seed, dtype, threads, fast,
+                 out):
     """Evaluate drafters side by side against plain decoding; raw JSON + summary.md in --out."""
     import torch
 
@@ -132,7 +138,7 @@ def eval_command(target, drafters, suites, buckets, limit, max_new_tokens, tempe
     except ValueError:
         raise HyflashError(f"bad --temperatures {temperatures!r}") from None
     path = run_eval(target, drafters, split, bks, out, limit, max_new_tokens, temps, seed, dtype,
-                    command="hyflash eval " + " ".join(sys.argv[2:]))
+                    command="hyflash eval " + " ".join(sys.argv[2:]), fast=fast)
     click.echo(path.read_text())
 
 

@@ -185,8 +185,10 @@ class Target:
     # ----------------------------------------------------------------- loading
     @classmethod
     def load(cls, target: str | os.PathLike | None = None, dtype: str | torch.dtype = "bf16",
-             feature_layers: list[int] | None = None, threads: int | None = None, fast: bool = False) -> "Target":
-        """``fast``: run the target through our lean forward with a static KV cache (hyflash.fast; Llama only)."""
+             feature_layers: list[int] | None = None, threads: int | None = None,
+             fast: bool | None = False) -> "Target":
+        """``fast``: run the target through our lean forward with a static KV cache (hyflash.fast; Llama only);
+        ``None``: the fast path where it covers the architecture, transformers' forward elsewhere."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if threads:
@@ -199,9 +201,13 @@ class Target:
         except OSError as e:
             raise HyflashError(f"could not load target {target!r}: {e}") from None
         out = cls(model, tokenizer, name, feature_layers)
-        if fast:
+        if fast or (fast is None and _fast_supported(model)):
             out.use_fast_path()
         return out
+
+    @property
+    def fast(self) -> bool:
+        return self.lean is not None
 
     def use_fast_path(self) -> None:
         from hyflash import fast
@@ -327,3 +333,9 @@ class Target:
         if self.tokenizer is None:  # a bare model (tests): show the ids
             return " ".join(map(str, ids))
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _fast_supported(model) -> bool:
+    from hyflash import fast
+
+    return fast.supports(model)

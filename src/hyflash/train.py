@@ -670,9 +670,10 @@ def plot_losses(out_dir) -> Path | None:
 @click.option("--data", default=None, help="Override the recipe's feature store directory.")
 @click.option("--init-from", default=None, type=click.Path(file_okay=False),
               help="Override the recipe's init_from: a saved drafter to continue training from.")
+@click.option("--threads", type=int, default=None, help="Override the recipe's torch CPU threads per process.")
 @click.option("--resume/--no-resume", default=True, show_default=True,
               help="Continue from the latest checkpoint in --out (--no-resume refuses a directory that has one).")
-def train_command(recipe, out, steps, data, init_from, resume):
+def train_command(recipe, out, steps, data, init_from, threads, resume):
     """Train a drafter from a recipe; resumable; several processes under torchrun."""
     cfg = load_recipe(recipe)
     if steps is not None:
@@ -681,6 +682,8 @@ def train_command(recipe, out, steps, data, init_from, resume):
         cfg.data = data
     if init_from is not None:
         cfg.init_from = init_from
+    if threads is not None:
+        cfg.threads = threads
     train(cfg, out, resume=resume)
 
 

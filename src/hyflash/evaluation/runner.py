@@ -117,7 +117,7 @@ def _append(path: Path, rec: dict) -> None:
 
 def run_eval(target_spec: str, drafters: str, suites: list[str], buckets: list[str], out_dir, limit: int = 10,
              max_new_tokens: int = 128, temperatures=(0.0,), seed: int = 0, dtype: str = "bf16",
-             items: list[S.EvalItem] | None = None, target=None, command: str = "") -> Path:
+             items: list[S.EvalItem] | None = None, target=None, command: str = "", fast: bool | None = None) -> Path:
     """Run (or continue) an evaluation into ``out_dir``; returns the summary path. ``items``/``target``: given
     directly by tests (tiny fixtures) instead of being built from the pinned sources."""
     from tqdm import tqdm
@@ -130,11 +130,12 @@ def run_eval(target_spec: str, drafters: str, suites: list[str], buckets: list[s
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    target = target or Target.load(target_spec, dtype=dtype)
+    target = target or Target.load(target_spec, dtype=dtype, fast=fast)
     labels = parse_drafters(drafters)
     settings = {"target": target.name, "target_fingerprint": target.fingerprint(), "drafters": labels,
                 "suites": list(suites), "buckets": list(buckets), "limit": limit, "max_new_tokens": max_new_tokens,
-                "temperatures": [float(t) for t in temperatures], "seed": seed, "dtype": dtype}
+                "temperatures": [float(t) for t in temperatures], "seed": seed, "dtype": dtype,
+                "fast_path": bool(getattr(target, "fast", False))}
     header_path = out / "run.json"
     if header_path.exists():
         old = json.loads(header_path.read_text())
