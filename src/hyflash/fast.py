@@ -1,7 +1,7 @@
 """A lean forward of our own for Llama-architecture targets, with a preallocated (static) KV cache.
 
-It reads the very same weight tensors as the transformers model (no copy, except the fused q|k|v and gate|up
-matrices) and computes the same function — RMSNorm in fp32 then back to the model dtype, RoPE from the model's own
+It reads the same weights as the transformers model (the fused q|k|v and gate|up matrices are copies, and in bf16
+every matrix is also kept once in oneDNN's packed layout, ``PackedLinear``) and computes the same function — RMSNorm in fp32 then back to the model dtype, RoPE from the model's own
 inverse frequencies, grouped-query attention by SDPA, SiLU-gated MLP — with a handful of tensor operations per
 layer and no per-step allocation of the cache: keys and values are written in place, and a rollback only moves
 the length. Used by ``Target`` when loaded with ``fast=True``.
@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from hyflash.packed import PackedLinear
 
 
 class StaticCache:
@@ -40,7 +42,7 @@ def supports(model) -> bool:
 
 
 class LeanLlama:
-    def __init__(self, model):
+    def __init__(self, model, pack: bool = True):
         c = model.config
         self.model = model
         self.H, self.Hkv = c.num_attention_heads, c.num_key_value_heads
@@ -50,7 +52,7 @@ class LeanLlama:
         inner = model.model
         self.embed = inner.embed_tokens.weight
         self.final_norm = inner.norm.weight
-        self.head = model.lm_head.weight
+        self.head = PackedLinear(model.lm_head.weight, pack)
         rot = inner.rotary_emb
         self.inv_freq = rot.inv_freq.float()
         self.rope_scale = float(getattr(rot, "attention_scaling", 1.0))
@@ -59,10 +61,11 @@ class LeanLlama:
             for layer in inner.layers:
                 a, m = layer.self_attn, layer.mlp
                 self.layers.append((layer.input_layernorm.weight,
-                                    torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
-                                    a.o_proj.weight, layer.post_attention_layernorm.weight,
-                                    torch.cat([m.gate_proj.weight, m.up_proj.weight]), m.down_proj.weight))
-        self.inter = self.layers[0][4].shape[0] // 2
+                                    PackedLinear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), pack),
+                                    PackedLinear(a.o_proj.weight, pack), layer.post_attention_layernorm.weight,
+                                    PackedLinear(torch.cat([m.gate_proj.weight, m.up_proj.weight]), pack),
+                                    PackedLinear(m.down_proj.weight, pack)))
+        self.inter = self.layers[0][4].out_features // 2
         self.scale = self.hd ** -0.5
 
     def new_cache(self, capacity: int) -> StaticCache:
@@ -100,7 +103,7 @@ class LeanLlama:
         feats = []
         for i, (w_in, w_qkv, w_o, w_post, w_gu, w_down) in enumerate(self.layers):
             x = self._norm(h, w_in)
-            qkv = x @ w_qkv.t()
+            qkv = w_qkv(x)
             q = qkv[:, : H * hd].view(n, H, hd).transpose(0, 1)
             k = qkv[:, H * hd:(H + Hkv) * hd].view(n, Hkv, hd).transpose(0, 1)
             v = qkv[:, (H + Hkv) * hd:].view(n, Hkv, hd).transpose(0, 1)
@@ -110,13 +113,13 @@ class LeanLlama:
             cv[0, :, start:end] = v
             o = F.scaled_dot_product_attention(q[None], ck[:, :, :end], cv[:, :, :end],
                                                attn_mask=mask, scale=self.scale, enable_gqa=True)
-            h = h + o[0].transpose(0, 1).reshape(n, H * hd) @ w_o.t()
-            gu = self._norm(h, w_post) @ w_gu.t()
-            h = h + (F.silu(gu[:, : self.inter]) * gu[:, self.inter:]) @ w_down.t()
+            h = h + w_o(o[0].transpose(0, 1).reshape(n, H * hd))
+            gu = w_gu(self._norm(h, w_post))
+            h = h + w_down(F.silu(gu[:, : self.inter]) * gu[:, self.inter:])
             if i in keep:
                 feats.append(h)
         cache.length = end
-        logits = (self._norm(h, self.final_norm) @ self.head.t()).float()
+        logits = self.head(self._norm(h, self.final_norm)).float()
         features = torch.cat([feats[sorted(keep).index(i)] for i in feature_layers], dim=-1) if feature_layers \
             else None
         return logits, features

@@ -89,6 +89,7 @@ class HyFlashProposer:
         if not 0.0 <= confidence <= 1.0:
             raise HyflashError(f"confidence must be in [0, 1], got {confidence}")
         self.drafter = drafter.eval()
+        self.drafter.pack_for_inference()  # bf16 on CPU: weights in oneDNN's layout (hyflash.packed)
         self.block_size = drafter.config.block_size
         self.seed = seed
         # Adaptive block length: keep drafted slots while the product of the drafter's probabilities of its own

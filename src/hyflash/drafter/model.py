@@ -153,6 +153,7 @@ class HyFlashDrafter(nn.Module):
             self.causal_down = nn.Linear(d, cfg.causal_head_rank, bias=False)
             self.causal_up = nn.Linear(cfg.causal_head_rank, d, bias=False)
             nn.init.zeros_(self.causal_up.weight)
+        self._packed_head = None  # set by pack_for_inference
         self.register_buffer("embed_weight", embed_weight.detach(), persistent=False)
         self.register_buffer("head_weight", head_weight.detach(), persistent=False)
         if cfg.draft_vocab_size:  # saved with the drafter; set from token frequencies before training
@@ -182,11 +183,31 @@ class HyFlashDrafter(nn.Module):
             raise ValueError(f"expected {self.config.draft_vocab_size} draft-vocabulary ids")
         self.draft_vocab.copy_(token_ids)
         self.draft_head_weight = self.head_weight[self.draft_vocab.to(self.head_weight.device)]
+        self._packed_head = None
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """[.., d] → [.., V], or [.., draft_vocab_size] over the draft vocabulary (see ``token_ids``)."""
+        if self._packed_head is not None and not self.training:
+            return self._packed_head(self.norm(h))
         w = self.head_weight if self.draft_vocab is None else self.draft_head_weight
         return F.linear(self.norm(h), w.to(h.dtype))
+
+    def pack_for_inference(self) -> int:
+        """Pack the bf16 weights once for oneDNN (``hyflash.packed``): a drafting round reads them faster on CPU.
+        For inference with fixed weights; ``unpack`` undoes it. Returns how many matrices were packed."""
+        from hyflash.packed import PackedLinear, pack_linears
+
+        n = pack_linears(self)
+        w = self.head_weight if self.draft_vocab is None else self.draft_head_weight
+        head = PackedLinear(w) if w.dtype == torch.bfloat16 else None
+        self._packed_head = head if head is not None and head.packed is not None else None
+        return n + (self._packed_head is not None)
+
+    def unpack(self) -> None:
+        from hyflash.packed import unpack_linears
+
+        unpack_linears(self)
+        self._packed_head = None
 
     def token_ids(self, index: torch.Tensor) -> torch.Tensor:
         """Indices into ``logits``' last dimension → target token ids."""
