@@ -26,7 +26,9 @@ from hyflash.target import Target
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="smollm2-135m")
-    ap.add_argument("--drafters", default="none,ngram,auto", help="comma-separated; 'none' is the baseline")
+    ap.add_argument("--drafters", default="none,ngram,auto",
+                    help="comma-separated none | ngram | auto | PATH | LABEL=SPEC, a drafter may end in @C (adaptive "
+                         "block length, e.g. auto@0.05); 'none' is the baseline")
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--limit", type=int, default=80)
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -40,12 +42,13 @@ def main():
                     help="acceptance only: no plain-decoding baseline, no speed ratios (e.g. for temperature 1.0)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    names = args.drafters.split(",")
-    if "none" not in names and not args.tau_only:
-        names = ["none"] + names
+    specs = dict(p.partition("=")[::2] if "=" in p else (p, p) for p in args.drafters.split(",") if p)
+    if "none" not in specs and not args.tau_only:
+        specs = {"none": "none", **specs}
+    names = list(specs)
     target = Target.load(args.target, dtype=args.dtype, fast=args.fast or False)
     questions = list(SOURCES["mtbench"].read())[: args.limit]
-    proposers = {n: load_proposer(n, target, seed=args.seed) for n in names}
+    proposers = {n: load_proposer(specs[n], target, seed=args.seed) for n in names}
     generate(target, target.encode("Hello"), None, max_new_tokens=4)  # warm-up
     rows = []
     for i, q in enumerate(tqdm(questions, desc="mt-bench", unit="prompt")):

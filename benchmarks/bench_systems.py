@@ -5,7 +5,7 @@
     ours fast, plain                our lean Llama forward with a static KV cache (hyflash.fast)
     ours fast, prompt lookup        + n-gram drafts
     ours fast, <drafter>            + the shipped (or given) HyFlash drafter, and ngram+drafter
-    llama.cpp, plain                the same GGUF through llama-cpp-python (optional: pip install llama-cpp-python)
+    llama.cpp, plain                the same GGUF through llama-cpp-python (optional extra: install.sh llamacpp)
 
 Prints tokens/s (decode only, median over repeats), ratios to llama.cpp and to our fast plain decoding, and the
 bandwidth plain decoding achieves (weight bytes read per token x tokens/s) against this machine's measured memory
@@ -120,7 +120,7 @@ def main():
         tps = sum(xs) / len(xs)
         print(f"{name:<34}{tps:>8.1f}{tps / base:>19.2f}x" + (f"{tps / ref:>13.2f}x" if ref else f"{'–':>14}"))
     if llm is None:
-        print("# llama.cpp not measured: pip install llama-cpp-python (compiles once) to include it")
+        print("# llama.cpp not measured: `bash scripts/install.sh llamacpp` (compiles llama.cpp once) to include it")
     per_token = weight_bytes_per_token(fast)
     for name in ("ours, plain", "ours fast, plain"):
         tps = sum(results[name]) / len(prompts)

@@ -66,9 +66,10 @@ def drafter_info(spec: str, target) -> dict:
     from hyflash.drafter.config import DrafterConfig
     from hyflash.proposers import shipped_drafter_path
 
-    path = shipped_drafter_path(target) if spec.endswith("auto") else None
-    if path is None and spec not in ("none", "ngram", "auto", "ngram+auto", "random"):
-        path = Path(spec.removeprefix("ngram+"))
+    base, _, confidence = spec.partition("@")  # "auto@0.1": adaptive block length (proposers.load_proposer)
+    path = shipped_drafter_path(target) if base.endswith("auto") else None
+    if path is None and base not in ("none", "ngram", "auto", "ngram+auto", "random"):
+        path = Path(base.removeprefix("ngram+"))
     if path is None:
         return {"spec": spec}
     cfg = DrafterConfig.load(path / "config.json")
@@ -76,7 +77,7 @@ def drafter_info(spec: str, target) -> dict:
     return {"spec": spec, "path": str(path), "weights_sha256": digest, "variant": cfg.variant,
             "num_layers": cfg.num_layers, "window": cfg.window, "memory": cfg.memory,
             "memory_limit": cfg.memory_limit, "slot_attention": cfg.slot_attention,
-            "draft_vocab_size": cfg.draft_vocab_size}
+            "draft_vocab_size": cfg.draft_vocab_size, "confidence": float(confidence) if confidence else 0.0}
 
 
 def build_items(target, suites: list[str], buckets: list[str], limit: int, seed: int = 0) -> list[S.EvalItem]:
