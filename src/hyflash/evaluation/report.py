@@ -191,23 +191,30 @@ def _plots(agg: dict, drafters: list[str], infos: dict, out: Path) -> list[Path]
     long_keys = [k for k in agg if k[1]]
     if long_keys:
         t = _pick_temperature({k: agg[k] for k in long_keys})
-        for name, field, ylabel in (("tau_vs_length", "tau", "acceptance length τ"),
-                                    ("drafter_bytes_vs_length", "drafter_bytes", "drafter context bytes")):
-            fig, ax = plt.subplots(figsize=(6, 4))
-            for d in drafters:
-                pts = defaultdict(list)
-                for k in long_keys:
-                    if k[2] == d and k[3] == t:
-                        v = agg[k][field]
-                        pts[agg[k]["prompt_tokens"]].append(v[1] if isinstance(v, tuple) else v)
-                if pts:
-                    xs = sorted(pts)
-                    ax.plot(xs, [sum(pts[x]) / len(pts[x]) for x in xs], marker="o", label=d)
-            ax.set_xscale("log", base=2)
-            ax.set_xlabel("prompt tokens (bucket median)")
-            ax.set_ylabel(ylabel)
-            ax.legend(fontsize=8)
-            ax.grid(alpha=0.3)
+        suites = sorted({k[0] for k in long_keys})
+        for name, field, ylabel, panels in (("tau_vs_length", "tau", "acceptance length τ", suites),
+                                            ("drafter_bytes_vs_length", "drafter_bytes", "drafter context bytes",
+                                             [None])):
+            # τ: a panel per suite (suites differ in how much the text repeats); bytes depend on length only
+            fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels) + 1, 4), squeeze=False,
+                                     sharey=True)
+            for ax, suite in zip(axes[0], panels):
+                for d in drafters:
+                    pts = defaultdict(list)
+                    for k in long_keys:
+                        if k[2] == d and k[3] == t and suite in (None, k[0]):
+                            v = agg[k][field]
+                            pts[agg[k]["prompt_tokens"]].append(v[1] if isinstance(v, tuple) else v)
+                    if pts:
+                        xs = sorted(pts)
+                        ax.plot(xs, [sum(pts[x]) / len(pts[x]) for x in xs], marker="o", label=d)
+                ax.set_xscale("log", base=2)
+                ax.set_xlabel("prompt tokens (bucket median)")
+                if suite is not None:
+                    ax.set_title(suite, fontsize=10)
+                ax.grid(alpha=0.3)
+            axes[0][0].set_ylabel(ylabel)
+            axes[0][-1].legend(fontsize=8)
             fig.tight_layout()
             fig.savefig(out / f"{name}.png", dpi=120)
             plt.close(fig)
