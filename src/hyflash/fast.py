@@ -34,11 +34,25 @@ class StaticCache:
 
 
 def supports(model) -> bool:
-    """The lean path covers plain Llama decoders (SmolLM2 and the like)."""
+    """The lean path covers plain Llama decoders (SmolLM2 and the like) and Gemma 3 text models."""
     c = model.config
-    return (getattr(c, "model_type", "") == "llama" and not getattr(c, "attention_bias", False)
-            and not getattr(c, "mlp_bias", False) and getattr(c, "hidden_act", "silu") == "silu"
-            and (getattr(c, "rope_parameters", None) or {}).get("rope_type", "default") == "default")
+    kind = getattr(c, "model_type", "")
+    if kind == "llama":
+        return (not getattr(c, "attention_bias", False) and not getattr(c, "mlp_bias", False)
+                and getattr(c, "hidden_act", "silu") == "silu"
+                and (getattr(c, "rope_parameters", None) or {}).get("rope_type", "default") == "default")
+    if kind == "gemma3_text":
+        ropes = getattr(c, "rope_parameters", None) or {}
+        return (not getattr(c, "attention_bias", False) and c.attn_logit_softcapping is None
+                and not getattr(c, "use_bidirectional_attention", False)
+                and c.hidden_activation in ("gelu_pytorch_tanh", "gelu")
+                and all((r or {}).get("rope_type", "default") in ("default", "linear") for r in ropes.values()))
+    return False
+
+
+def lean_forward(model, pack: bool = True):
+    """Our lean forward for ``model`` (``supports(model)`` must hold)."""
+    return LeanGemma3(model, pack) if model.config.model_type == "gemma3_text" else LeanLlama(model, pack)
 
 
 class LeanLlama:
@@ -120,6 +134,109 @@ class LeanLlama:
                 feats.append(h)
         cache.length = end
         logits = self.head(self._norm(h, self.final_norm)).float()
+        features = torch.cat([feats[sorted(keep).index(i)] for i in feature_layers], dim=-1) if feature_layers \
+            else None
+        return logits, features
+
+
+class LeanGemma3:
+    """Gemma 3 text models: the Llama layout plus q/k RMSNorms over each head, RMSNorms ``x·(1 + w)`` computed in
+    fp32, norms after attention and after the MLP, a GELU(tanh)-gated MLP, the embedding scaled by √hidden, and
+    layers of two kinds — sliding-window layers (each query sees the last ``sliding_window`` positions, itself
+    included; RoPE with the local base) and full-attention layers (the global base, possibly linearly scaled).
+    Every layer keeps its whole history in the static cache, so a rollback stays a move of the length."""
+
+    def __init__(self, model, pack: bool = True):
+        c = model.config
+        self.model = model
+        self.H, self.Hkv, self.hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.eps = c.rms_norm_eps
+        self.n_layers = c.num_hidden_layers
+        self.window = c.sliding_window
+        self.softcap = c.final_logit_softcapping
+        self.approximate = "tanh" if c.hidden_activation == "gelu_pytorch_tanh" else "none"
+        inner = model.model
+        self.embed = inner.embed_tokens.weight
+        self.embed_scale = inner.embed_tokens.embed_scale
+        self.final_norm = inner.norm.weight
+        self.head = PackedLinear(model.lm_head.weight, pack)
+        rot = inner.rotary_emb
+        self.rope = {t: (getattr(rot, f"{t}_inv_freq").float(), float(getattr(rot, f"{t}_attention_scaling")))
+                     for t in set(c.layer_types)}
+        self.scale = c.query_pre_attn_scalar ** -0.5
+        self.layers = []
+        with torch.no_grad():
+            for layer, kind in zip(inner.layers, c.layer_types):
+                a, m = layer.self_attn, layer.mlp
+                self.layers.append(dict(
+                    sliding=kind == "sliding_attention", rope=kind,
+                    norm_in=layer.input_layernorm.weight, norm_attn=layer.post_attention_layernorm.weight,
+                    norm_pre_ff=layer.pre_feedforward_layernorm.weight,
+                    norm_post_ff=layer.post_feedforward_layernorm.weight,
+                    q_norm=a.q_norm.weight, k_norm=a.k_norm.weight,
+                    qkv=PackedLinear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), pack),
+                    o=PackedLinear(a.o_proj.weight, pack),
+                    gate_up=PackedLinear(torch.cat([m.gate_proj.weight, m.up_proj.weight]), pack),
+                    down=PackedLinear(m.down_proj.weight, pack)))
+        self.inter = self.layers[0]["gate_up"].out_features // 2
+
+    def new_cache(self, capacity: int) -> StaticCache:
+        return StaticCache(self.n_layers, self.Hkv, self.hd, capacity, self.embed.dtype, self.embed.device)
+
+    def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + w.float())).to(x.dtype)
+
+    def _rope(self, kind: str, positions: torch.Tensor, dtype):
+        inv_freq, scaling = self.rope[kind]
+        freqs = positions[:, None].float() * inv_freq[None]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return (emb.cos() * scaling).to(dtype)[None], (emb.sin() * scaling).to(dtype)[None]
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, cache: StaticCache, feature_layers: list[int] | None):
+        """ids [n] after cache.length cached tokens → (fp32 logits [n, V], features [n, F] or None)."""
+        n, start = ids.shape[0], cache.length
+        end = start + n
+        if end > cache.capacity:
+            raise ValueError(f"static cache of {cache.capacity} tokens is full ({end} needed)")
+        h = F.embedding(ids, self.embed) * self.embed_scale.to(self.embed.dtype)
+        positions = torch.arange(start, end, device=ids.device)
+        rope = {kind: self._rope(kind, positions, h.dtype) for kind in self.rope}
+        H, Hkv, hd = self.H, self.Hkv, self.hd
+        # keys a new query may see: full layers all of 0..q; sliding layers q − window < key ≤ q
+        lo = max(0, start - self.window + 1)  # the oldest key any of the n queries sees in a sliding layer
+        keys = torch.arange(end, device=ids.device)
+        full_mask = None if n == 1 else keys[None, :] <= positions[:, None]
+        sliding_mask = None  # one query sees exactly keys lo..start: the slice is the window, no mask needed
+        if n > 1:
+            k_abs = keys[lo:]
+            sliding_mask = (k_abs[None, :] <= positions[:, None]) & (k_abs[None, :] > positions[:, None] - self.window)
+        keep = set(feature_layers or [])
+        feats = []
+        for i, L in enumerate(self.layers):
+            qkv = L["qkv"](self._norm(h, L["norm_in"]))
+            q = self._norm(qkv[:, : H * hd].view(n, H, hd), L["q_norm"]).transpose(0, 1)
+            k = self._norm(qkv[:, H * hd:(H + Hkv) * hd].view(n, Hkv, hd), L["k_norm"]).transpose(0, 1)
+            v = qkv[:, (H + Hkv) * hd:].view(n, Hkv, hd).transpose(0, 1)
+            cos, sin = rope[L["rope"]]
+            q, k = LeanLlama._rotate(q, cos, sin), LeanLlama._rotate(k, cos, sin)
+            ck, cv = cache.k[i], cache.v[i]
+            ck[0, :, start:end] = k
+            cv[0, :, start:end] = v
+            first, mask = (lo, sliding_mask) if L["sliding"] else (0, full_mask)
+            o = F.scaled_dot_product_attention(q[None], ck[:, :, first:end], cv[:, :, first:end],
+                                               attn_mask=mask, scale=self.scale, enable_gqa=True)
+            h = h + self._norm(L["o"](o[0].transpose(0, 1).reshape(n, H * hd)), L["norm_attn"])
+            gu = L["gate_up"](self._norm(h, L["norm_pre_ff"]))
+            mlp = L["down"](F.gelu(gu[:, : self.inter], approximate=self.approximate) * gu[:, self.inter:])
+            h = h + self._norm(mlp, L["norm_post_ff"])
+            if i in keep:
+                feats.append(h)
+        cache.length = end
+        logits = self.head(self._norm(h, self.final_norm)).float()
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
         features = torch.cat([feats[sorted(keep).index(i)] for i in feature_layers], dim=-1) if feature_layers \
             else None
         return logits, features

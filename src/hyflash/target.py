@@ -180,14 +180,14 @@ class Target:
         if max(self.feature_layers) >= self.num_layers or min(self.feature_layers) < 0:
             raise HyflashError(f"feature layers {self.feature_layers} out of range for {self.num_layers} layers")
         self.eos_token_ids = self._eos_ids()
-        self.lean = None  # hyflash.fast.LeanLlama when loaded with fast=True
+        self.lean = None  # hyflash.fast.LeanLlama / LeanGemma3 when loaded with fast=True
 
     # ----------------------------------------------------------------- loading
     @classmethod
     def load(cls, target: str | os.PathLike | None = None, dtype: str | torch.dtype = "bf16",
              feature_layers: list[int] | None = None, threads: int | None = None,
              fast: bool | None = False) -> "Target":
-        """``fast``: run the target through our lean forward with a static KV cache (hyflash.fast; Llama only);
+        """``fast``: run the target through our lean forward with a static KV cache (hyflash.fast; Llama, Gemma 3);
         ``None``: the fast path where it covers the architecture, transformers' forward elsewhere."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -213,9 +213,9 @@ class Target:
         from hyflash import fast
 
         if not fast.supports(self.model):
-            raise HyflashError(f"the fast path covers Llama-architecture targets; {self.name} is "
+            raise HyflashError(f"the fast path covers Llama and Gemma 3 text targets; {self.name} is "
                                f"{getattr(self.text_config, 'model_type', '?')}")
-        self.lean = fast.LeanLlama(self.model)
+        self.lean = fast.lean_forward(self.model)
 
     @property
     def dtype(self) -> torch.dtype:
