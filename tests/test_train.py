@@ -88,8 +88,9 @@ def test_loss_decreases_on_memorisable_fixture(target, store, tmp_path):
 
 
 # --------------------------------------------------------------------------------------------- resume
-def test_killed_and_resumed_run_reaches_the_same_weights(target, store, tmp_path):
-    cfg = tiny_config(steps=6, ckpt_every=1, kl_weight=0.5)
+@pytest.mark.parametrize("draft_vocab", [0, 12], ids=["full-vocab", "draft-vocab"])
+def test_killed_and_resumed_run_reaches_the_same_weights(target, store, tmp_path, draft_vocab):
+    cfg = tiny_config(steps=6, ckpt_every=1, kl_weight=0.5, draft_vocab=draft_vocab)
     straight = params(train(cfg, tmp_path / "straight", target, store))
     train(cfg, tmp_path / "killed", target, store, stop_at=3)  # "killed" after step 3
     assert [p.name for p in checkpoints(tmp_path / "killed")] == ["step_0000002.pt", "step_0000003.pt"]

@@ -548,7 +548,6 @@ def train(cfg: TrainConfig, out_dir, target=None, store=None, resume: bool = Tru
     opt = make_optimizer(drafter, cfg)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, partial(lr_factor, cfg=cfg))
     weights = position_weights(cfg.drafter.block_size, cfg.gamma)
-    index_of = draft_index(drafter)
     step, position, elapsed_before = 0, 0, 0.0
     if found:  # resume exactly: weights, optimiser, schedule, RNG, place in the data order
         ckpt = torch.load(found[-1], map_location="cpu", weights_only=False)  # our own file (holds RNG states)
@@ -561,6 +560,7 @@ def train(cfg: TrainConfig, out_dir, target=None, store=None, resume: bool = Tru
         step, position, elapsed_before = ckpt["step"], ckpt["data_position"], ckpt["elapsed"]
         if main:
             print(f"hyflash: resuming {out_dir} at step {step}", file=sys.stderr)
+    index_of = draft_index(drafter)  # after a resume: the draft vocabulary is the checkpoint's
     if main:
         out_dir.mkdir(parents=True, exist_ok=True)
         cfg.save(out_dir / CONFIG_NAME)
