@@ -124,6 +124,17 @@ def test_final_checkpoint_drives_lossless_decoding(target, store, tmp_path):
     assert spec.stats.rounds < len(plain.token_ids)  # it drafted (and some drafts were accepted)
 
 
+def test_held_out_split_does_not_depend_on_the_training_seed():
+    """A second stage with another data-order seed must validate on the first stage's held-out sequences (never
+    trained on), so the split has its own seed."""
+    from hyflash.train import split_indices
+
+    a, b = split_indices(100, tiny_config(seed=0, val_sequences=5)), split_indices(100, tiny_config(seed=1, val_sequences=5))
+    assert np.array_equal(a[1], b[1]) and np.array_equal(a[0], b[0])
+    c = split_indices(100, tiny_config(seed=0, val_sequences=5, split_seed=3))
+    assert not np.array_equal(a[1], c[1])
+
+
 def test_second_stage_starts_from_the_first_stages_drafter(target, store, tmp_path):
     """init_from: stage 2 begins with stage 1's exported weights and draft vocabulary (its step-0 validation τ̂
     equals the exported drafter's); a drafter of another shape is refused with a clear error."""

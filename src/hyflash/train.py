@@ -73,7 +73,8 @@ class TrainConfig:
     draft_vocab: int = 0  # reduced output vocabulary: the N most frequent target labels (0 = the full vocabulary)
     init_from: str = ""  # a saved drafter (save_pretrained directory) to start from: a second training stage
     # bookkeeping
-    seed: int = 0
+    seed: int = 0  # anchors, crops and the data order
+    split_seed: int = 0  # which sequences are held out: the same for every stage and seed unless changed
     ckpt_every: int = 250
     keep_checkpoints: int = 2
     eval_every: int = 250
@@ -159,7 +160,7 @@ def split_indices(n: int, cfg: TrainConfig) -> tuple[np.ndarray, np.ndarray]:
     """(train, val) sequence indices: a seeded random choice of min(val_sequences, ⌈val_fraction·n⌉) held out."""
     n_val = min(cfg.val_sequences, math.ceil(cfg.val_fraction * n)) if cfg.val_fraction > 0 else 0
     n_val = min(n_val, n - 1)
-    perm = np.random.default_rng([cfg.seed, 7]).permutation(n)
+    perm = np.random.default_rng([cfg.split_seed, 7]).permutation(n)
     return np.sort(perm[n_val:]), np.sort(perm[:n_val])
 
 
