@@ -55,8 +55,14 @@ def hf_generate_tps(target, ids, n) -> float:
     return (made - 1) / ((t2 - t1) - (t1 - t0))  # subtract the prefill (+ first token) time
 
 
-def llama_cpp_tps(llm, ids, n) -> float:
-    llm.reset()
+LLAMA_CPP_SCRIPT = """
+import json, sys, time
+from llama_cpp import Llama
+path, threads, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+llm = Llama(model_path=path, n_threads=threads, n_ctx=4096, verbose=False)
+out = []
+for line in sys.stdin:
+    ids = json.loads(line)
     t_first, count = None, 0
     for _ in llm.generate(ids, temp=0.0, top_k=1, reset=True):
         count += 1
@@ -64,7 +70,25 @@ def llama_cpp_tps(llm, ids, n) -> float:
             t_first = time.perf_counter()
         if count >= n:
             break
-    return (count - 1) / (time.perf_counter() - t_first)
+    out.append((count - 1) / (time.perf_counter() - t_first))
+    llm.reset()
+print(json.dumps(out))
+"""
+
+
+def llama_cpp_tps(gguf, prompts, n, threads) -> list[float]:
+    """llama.cpp greedy decode tokens/s per prompt, in a process of its own: llama.cpp's OpenMP runtime and
+    torch's crash when both are loaded into one process here."""
+    import json
+    import subprocess
+    import sys
+
+    feed = "".join(json.dumps(ids) + "\n" for ids in prompts)
+    res = subprocess.run([sys.executable, "-c", LLAMA_CPP_SCRIPT, str(gguf), str(threads), str(n)], input=feed,
+                         capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"llama.cpp failed (exit {res.returncode}): {res.stderr[-300:].strip() or 'no message'}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
 
 
 def main():
@@ -94,14 +118,9 @@ def main():
         combo = load_proposer("ngram+" + args.drafter, fast)
         systems[f"ours fast, ngram+{args.drafter}"] = lambda ids: generate(
             fast, ids, combo, max_new_tokens=n).stats.tokens_per_s
-    try:
-        from llama_cpp import Llama
+    import importlib.util
 
-        gguf = _find_embedded_gguf(EMBEDDED_TARGETS["smollm2-135m"])
-        llm = Llama(model_path=str(gguf), n_threads=args.threads, n_ctx=4096, verbose=False)
-        systems["llama.cpp, plain"] = lambda ids: llama_cpp_tps(llm, ids, n)
-    except ImportError:
-        llm = None
+    llm = importlib.util.find_spec("llama_cpp") is not None  # run in its own process (see llama_cpp_tps)
     for fn in systems.values():  # warm-up
         fn(prompts[0][:16])
     results = {name: [] for name in systems}
@@ -109,17 +128,27 @@ def main():
         names = list(systems) if i % 2 == 0 else list(systems)[::-1]
         for name in names:
             results[name].append(median([systems[name](ids) for _ in range(args.repeats)]))
+    if llm:
+        gguf = _find_embedded_gguf(EMBEDDED_TARGETS["smollm2-135m"])
+        llama_prompts = [p for p in prompts for _ in range(args.repeats)]
+        try:
+            tps = llama_cpp_tps(gguf, [prompts[0][:16]] + llama_prompts, n, args.threads)[1:]  # first: warm-up
+            results["llama.cpp, plain"] = [median(tps[i * args.repeats:(i + 1) * args.repeats])
+                                           for i in range(len(prompts))]
+        except RuntimeError as e:
+            print(f"# {e}")
+            llm = False
     bw = memory_bandwidth()
     print(machine_line())
     print(f"# SmolLM2-135M-Instruct bf16 (llama.cpp: the package's GGUF) | {len(prompts)} MT-Bench prompts | "
           f"{n} new tokens | greedy | median of {args.repeats} per prompt, then mean over prompts")
     base = sum(results["ours fast, plain"]) / len(prompts)
-    ref = sum(results["llama.cpp, plain"]) / len(prompts) if llm is not None else None
+    ref = sum(results["llama.cpp, plain"]) / len(prompts) if llm else None
     print(f"{'system':<34}{'tok/s':>8}{'vs ours fast plain':>20}{'vs llama.cpp':>14}")
     for name, xs in results.items():
         tps = sum(xs) / len(xs)
         print(f"{name:<34}{tps:>8.1f}{tps / base:>19.2f}x" + (f"{tps / ref:>13.2f}x" if ref else f"{'–':>14}"))
-    if llm is None:
+    if not llm:
         print("# llama.cpp not measured: `bash scripts/install.sh llamacpp` (compiles llama.cpp once) to include it")
     per_token = weight_bytes_per_token(fast)
     for name in ("ours, plain", "ours fast, plain"):
