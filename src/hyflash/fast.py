@@ -24,6 +24,13 @@ class StaticCache:
         self.v = [torch.zeros_like(k) for k in self.k]
         self.capacity, self.length = capacity, 0
 
+    def span(self, n: int) -> tuple[int, int]:
+        """Positions [start, end) that n new tokens take; raises ValueError when the buffers cannot hold them."""
+        start, end = self.length, self.length + n
+        if end > self.capacity:
+            raise ValueError(f"static cache of {self.capacity} tokens is full ({end} needed)")
+        return start, end
+
     def nbytes(self) -> int:
         """Bytes of the keys/values held (the committed length; the buffers are ``capacity`` long)."""
         k = self.k[0]
@@ -102,10 +109,8 @@ class LeanLlama:
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, cache: StaticCache, feature_layers: list[int] | None):
         """ids [n] after cache.length cached tokens → (fp32 logits [n, V], features [n, F] or None)."""
-        n, start = ids.shape[0], cache.length
-        end = start + n
-        if end > cache.capacity:
-            raise ValueError(f"static cache of {cache.capacity} tokens is full ({end} needed)")
+        n = ids.shape[0]
+        start, end = cache.span(n)
         h = F.embedding(ids, self.embed)  # [n, d]
         cos, sin = self._rope(torch.arange(start, end, device=ids.device), h.dtype)  # [n, hd]
         cos, sin = cos[None], sin[None]  # broadcast over heads
@@ -180,8 +185,7 @@ class LeanGemma3:
                     down=PackedLinear(m.down_proj.weight, pack)))
         self.inter = self.layers[0]["gate_up"].out_features // 2
 
-    def new_cache(self, capacity: int) -> StaticCache:
-        return StaticCache(self.n_layers, self.Hkv, self.hd, capacity, self.embed.dtype, self.embed.device)
+    new_cache = LeanLlama.new_cache  # the same static cache (same attribute names)
 
     def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         xf = x.float()
@@ -196,10 +200,8 @@ class LeanGemma3:
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, cache: StaticCache, feature_layers: list[int] | None):
         """ids [n] after cache.length cached tokens → (fp32 logits [n, V], features [n, F] or None)."""
-        n, start = ids.shape[0], cache.length
-        end = start + n
-        if end > cache.capacity:
-            raise ValueError(f"static cache of {cache.capacity} tokens is full ({end} needed)")
+        n = ids.shape[0]
+        start, end = cache.span(n)
         h = F.embedding(ids, self.embed) * self.embed_scale.to(self.embed.dtype)
         positions = torch.arange(start, end, device=ids.device)
         rope = {kind: self._rope(kind, positions, h.dtype) for kind in self.rope}
