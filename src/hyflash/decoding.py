@@ -155,27 +155,24 @@ def verify_block(logits: torch.Tensor, draft: Draft, sampling: SamplingConfig,
                  coin_gen: torch.Generator, sample_gen: torch.Generator) -> tuple[int, int]:
     """Exact acceptance of a drafted block. ``logits`` [K+1, V]: row i is the target's prediction after
     [anchor, d_1..d_i]. Returns (number of accepted drafts m, the target's token after them)."""
+    if sampling.greedy:  # accept while the draft equals the target's argmax; one reduction, no [K+1, V] copies
+        top = logits.max(-1).indices.tolist()  # the first maximal index, as argmax
+        m = 0
+        while m < len(draft.tokens) and draft.tokens[m] == top[m]:
+            m += 1
+        return m, top[m]
     p = target_probs(logits, sampling)  # [K+1, V]
     for i, x in enumerate(draft.tokens):
-        if sampling.greedy:
-            accept = bool(p[i, x] > 0)
-        else:
-            q_x = 1.0 if draft.probs is None else float(draft.probs[i, x])
-            u = torch.rand((), generator=coin_gen, dtype=torch.float64).item()
-            accept = q_x > 0 and u < min(1.0, float(p[i, x]) / q_x)
-        if not accept:
+        q_x = 1.0 if draft.probs is None else float(draft.probs[i, x])
+        u = torch.rand((), generator=coin_gen, dtype=torch.float64).item()
+        if not (q_x > 0 and u < min(1.0, float(p[i, x]) / q_x)):
             if draft.probs is None:
                 residual = p[i].clone()
                 residual[x] = 0.0
             else:
                 residual = (p[i] - draft.probs[i]).clamp_min(0.0)
-            if sampling.greedy:
-                return i, int(residual.argmax())
             return i, int(torch.multinomial(residual / residual.sum(), 1, generator=sample_gen))
-    k = len(draft.tokens)
-    if sampling.greedy:
-        return k, int(p[k].argmax())
-    return k, int(torch.multinomial(p[k], 1, generator=sample_gen))
+    return len(draft.tokens), int(torch.multinomial(p[len(draft.tokens)], 1, generator=sample_gen))
 
 
 @dataclass

@@ -120,12 +120,12 @@ class HyFlashProposer:
         if d.config.causal_head_rank == 0:
             logits = d.logits(h)
             if sampling.greedy:
-                index = logits.argmax(-1)
-                keep = self._keep(logits.to(torch.promote_types(logits.dtype, torch.float32)).softmax(-1), index)
+                index = logits.max(-1).indices  # the first maximal index, as argmax (and faster in bf16)
+                keep = self._keep(logits, index)
                 return Draft(d.token_ids(index[:keep]).tolist())
             q = target_probs(logits, sampling)
             index = torch.multinomial(q, 1, generator=self.gen)[:, 0]
-            keep = self._keep(q, index)
+            keep = self._keep(q, index, probs=True)
             return Draft(d.token_ids(index[:keep]).tolist(), d.full_vocab(q[:keep]))
         tokens, probs, prev = [], [], anchor
         for i in range(k):  # left to right: slot i's logits are biased by the token drafted at slot i−1
@@ -137,11 +137,14 @@ class HyFlashProposer:
             probs.append(q)
         return Draft(tokens, None if sampling.greedy else d.full_vocab(torch.stack(probs)))
 
-    def _keep(self, probs: torch.Tensor, index: torch.Tensor) -> int:
-        """How many leading slots to send: all, or those whose running product of probabilities stays >= confidence."""
+    def _keep(self, scores: torch.Tensor, index: torch.Tensor, probs: bool = False) -> int:
+        """How many leading slots to send: all, or those whose running product of probabilities stays >= confidence.
+        ``scores``: the slots' distributions (``probs``) or their logits."""
         if self.confidence <= 0.0:
             return len(index)
-        running = probs.gather(-1, index[:, None])[:, 0].cumprod(0)
+        if not probs:
+            scores = scores.to(torch.promote_types(scores.dtype, torch.float32)).softmax(-1)
+        running = scores.gather(-1, index[:, None])[:, 0].cumprod(0)
         return int((running >= self.confidence).sum())  # a running product only falls: the kept slots lead
 
     def state_bytes(self) -> int:

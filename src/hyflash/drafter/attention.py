@@ -25,14 +25,18 @@ class RMSNorm(nn.Module):
         return (y * self.weight.to(y.dtype)).to(x.dtype)
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary embedding (half-split convention). x [B, H, N, hd]; positions [N] or [B, N] absolute positions."""
-    hd = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, hd, 2, device=x.device, dtype=torch.float64) / hd))
+def rope_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [.., N, hd/2] of absolute ``positions`` [N] ([B, 1, N, hd/2] for [B, N]), computed in fp64."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float64) / head_dim))
     ang = positions.to(torch.float64)[..., None] * inv_freq  # [.., N, hd/2]
     if ang.dim() == 3:
         ang = ang[:, None]  # [B, 1, N, hd/2]
-    cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
+    return ang.cos().to(dtype), ang.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding (half-split convention) of x [B, H, N, hd] with tables from ``rope_tables``."""
+    hd = x.shape[-1]
     x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
@@ -50,23 +54,39 @@ class LocalAttention(nn.Module):
 
     def keys_values(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys (normed, rotated) and values of context features or slots. x [B, N, d] -> 2 x [B, Hkv, N, hd]."""
-        B, N, _ = x.shape
-        k = self.k_norm(self.k_proj(x).view(B, N, self.hkv, self.hd)).transpose(1, 2)
-        v = self.v_proj(x).view(B, N, self.hkv, self.hd).transpose(1, 2)
-        return rope(k, positions, self.theta), v
+        return self.heads_kv(self.k_proj(x), self.v_proj(x), *rope_tables(positions, self.hd, self.theta, x.dtype))
+
+    def heads_q(self, q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Query projections [B, Q, H·hd] → normed, rotated queries [B, H, Q, hd]."""
+        B, Q, _ = q.shape
+        return apply_rope(self.q_norm(q.view(B, Q, self.h, self.hd)).transpose(1, 2), cos, sin)
+
+    def heads_kv(self, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Key/value projections [B, N, Hkv·hd] → normed, rotated keys and values, 2 x [B, Hkv, N, hd]."""
+        B, N, _ = k.shape
+        k = self.k_norm(k.view(B, N, self.hkv, self.hd)).transpose(1, 2)
+        return apply_rope(k, cos, sin), v.view(B, N, self.hkv, self.hd).transpose(1, 2)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """q [B, H, Q, hd], k/v [B, Hkv, T, hd], mask [B, Q, T] or None → [B, Q, H·hd] (before o_proj)."""
+        B, _, Q, _ = q.shape
+        g = self.h // self.hkv
+        if mask is None and g > 1:  # grouped queries: each kv head serves its g query heads, no k/v copies
+            o = F.scaled_dot_product_attention(q.reshape(B, self.hkv, g * Q, self.hd), k, v)
+            o = o.view(B, self.h, Q, self.hd)
+        else:
+            if g > 1:
+                k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else mask[:, None])
+        return o.transpose(1, 2).reshape(B, Q, self.h * self.hd)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor,
                 mask: torch.Tensor | None) -> torch.Tensor:
         """x [B, Q, d] slot states at ``positions`` [B, Q]; ctx_k/ctx_v [B, Hkv, T, hd]; mask [B, Q, T + Q] bool
         (True = may attend) or None (everything visible). Returns [B, Q, d]."""
-        B, Q, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(B, Q, self.h, self.hd)).transpose(1, 2)
-        q = rope(q, positions, self.theta)
-        k_s, v_s = self.keys_values(x, positions)
+        cos, sin = rope_tables(positions, self.hd, self.theta, x.dtype)
+        q = self.heads_q(self.q_proj(x), cos, sin)
+        k_s, v_s = self.heads_kv(self.k_proj(x), self.v_proj(x), cos, sin)
         k = torch.cat([ctx_k, k_s], dim=2)  # [B, Hkv, T + Q, hd]
         v = torch.cat([ctx_v, v_s], dim=2)
-        if self.hkv != self.h:
-            k = k.repeat_interleave(self.h // self.hkv, dim=1)
-            v = v.repeat_interleave(self.h // self.hkv, dim=1)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else mask[:, None])
-        return self.o_proj(o.transpose(1, 2).reshape(B, Q, self.h * self.hd))
+        return self.o_proj(self.attend(q, k, v, mask))

@@ -55,11 +55,11 @@ class MemoryBranch(nn.Module):
     def conv_state_shape(self) -> tuple[int, int]:
         return (self.K - 1, self.conv_dim)
 
-    def write_inputs(self, c: torch.Tensor, conv_state: torch.Tensor | None = None):
+    def write_inputs(self, c: torch.Tensor, conv_state: torch.Tensor | None = None, proj: torch.Tensor | None = None):
         """c [B, T, d] committed (fused) features → k [B,T,H,dk], v [B,T,H,dv], g [B,T,H], β [B,T,H] or None,
-        and the new conv state [B, K−1, conv_dim] (the last K−1 conv inputs)."""
+        and the new conv state [B, K−1, conv_dim] (the last K−1 conv inputs). ``proj``: in_proj(c), if computed."""
         B, T, _ = c.shape
-        proj = self.in_proj(c)
+        proj = self.in_proj(c) if proj is None else proj
         xk, gates = proj[..., : self.conv_dim], proj[..., self.conv_dim:]
         if conv_state is None:
             conv_state = xk.new_zeros(B, self.K - 1, self.conv_dim)
@@ -89,18 +89,25 @@ class MemoryBranch(nn.Module):
 
     def query(self, x: torch.Tensor) -> torch.Tensor:
         """Slot states [B, Q, d] → read queries [B, H, Q, dk]."""
-        B, Q, _ = x.shape
-        q = self.q_proj(x).view(B, Q, self.H, self.dk)
+        return self.heads_q(self.q_proj(x))
+
+    def heads_q(self, q: torch.Tensor) -> torch.Tensor:
+        """Query projections [B, Q, H·dk] → read queries [B, H, Q, dk]."""
+        B, Q, _ = q.shape
+        q = q.view(B, Q, self.H, self.dk)
         if self.kind == "gdn":
             q = F.normalize(q, dim=-1)
         return q.transpose(1, 2) * self.dk ** -0.5
 
     def output(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """x [B, Q, d] slot states, y [B, H, Q, dv] memory read → [B, Q, d]."""
-        B, Q, _ = x.shape
-        z = self.z_proj(x).view(B, Q, self.H, self.dv)
-        y = self.norm(y.transpose(1, 2).to(x.dtype)) * F.silu(z)
-        return self.out_proj(y.reshape(B, Q, self.H * self.dv))
+        return self.out_proj(self.gated(y, self.z_proj(x)))
+
+    def gated(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """y [B, H, Q, dv] memory read, z [B, Q, H·dv] gate projections → RMSNorm(y) ⊙ silu(z), [B, Q, H·dv]."""
+        B, Q, _ = z.shape
+        y = self.norm(y.transpose(1, 2).to(z.dtype)) * F.silu(z.view(B, Q, self.H, self.dv))
+        return y.reshape(B, Q, self.H * self.dv)
 
 
 class MLP(nn.Module):
@@ -166,9 +173,11 @@ class HyFlashDrafter(nn.Module):
     def fuse_features(self, feats: torch.Tensor) -> torch.Tensor:
         """Target features [.., n_layers * D_t] → committed features [.., d]: per-layer RMSNorm, concat, linear,
         RMSNorm."""
-        parts = feats.to(self.fuse.weight.dtype).chunk(len(self.feature_norms), dim=-1)
-        x = torch.cat([n(p) for n, p in zip(self.feature_norms, parts)], dim=-1)
-        return self.fuse_norm(self.fuse(x))
+        x = feats.to(self.fuse.weight.dtype).unflatten(-1, (len(self.feature_norms), -1))  # [.., n_layers, D_t]
+        xf = x.float() if x.dtype in (torch.bfloat16, torch.float16) else x  # as RMSNorm, all layers at once
+        w = torch.stack([n.weight for n in self.feature_norms]).to(xf.dtype)
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.feature_norms[0].eps) * w
+        return self.fuse_norm(self.fuse(y.to(x.dtype).flatten(-2)))
 
     def slot_inputs(self, anchor_ids: torch.Tensor) -> torch.Tensor:
         """anchor_ids [B, n] → slot inputs [B, n, S, d]: the anchor's embedding, then mask embeddings."""

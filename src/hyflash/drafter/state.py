@@ -8,9 +8,12 @@ size however long the context; ``full`` keeps keys/values of every committed fea
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from hyflash.drafter import memory as mem
+from hyflash.drafter.attention import rope_tables
 from hyflash.drafter.model import HyFlashDrafter, _state_dtype
+from hyflash.packed import PackedLinear
 
 
 class KVWindow:
@@ -51,6 +54,34 @@ class KVWindow:
         return per_entry * (self.capacity if self.capacity is not None else self.count)
 
 
+class _LayerWeights:
+    """One layer's projections concatenated for inference: a drafting round makes four matmuls per layer (slot
+    projections q|k|v|memory q|gate z, attention and memory outputs, MLP up, MLP down) and a commit one (k|v|memory
+    write), instead of nine and three. Same function as the modules', up to the order of float additions."""
+
+    def __init__(self, layer):
+        a, m = layer.attn, layer.memory
+        read = [a.q_proj, a.k_proj, a.v_proj] + ([m.q_proj, m.z_proj] if m is not None else [])
+        write = [a.k_proj, a.v_proj] + ([m.in_proj] if m is not None else [])
+        self.read_sizes = [p.out_features for p in read]
+        self.write_sizes = [p.out_features for p in write]
+        self.read = PackedLinear(torch.cat([p.weight for p in read]))
+        self.write = PackedLinear(torch.cat([p.weight for p in write]))
+        self.out = PackedLinear(torch.cat([a.o_proj.weight] + ([m.out_proj.weight] if m is not None else []), dim=1))
+        self.gate_up, self.down = PackedLinear(layer.mlp.gate_up.weight), PackedLinear(layer.mlp.down.weight)
+
+
+def _runtime_weights(drafter: HyFlashDrafter) -> list[_LayerWeights]:
+    """The fused weights of ``drafter``, built once and rebuilt whenever a parameter changed (training)."""
+    key = tuple((id(p), p._version, p.dtype) for p in drafter.parameters())
+    cached = getattr(drafter, "_runtime_weights", None)
+    if cached is None or cached[0] != key:
+        with torch.no_grad():
+            cached = (key, [_LayerWeights(layer) for layer in drafter.layers])
+        drafter._runtime_weights = cached
+    return cached[1]
+
+
 class DrafterState:
     def __init__(self, drafter: HyFlashDrafter):
         self.drafter = drafter
@@ -59,6 +90,7 @@ class DrafterState:
         self.dtype, self.device = p.dtype, p.device
         # the recurrent state is kept in fp32 (fp64 when the drafter runs in fp64)
         self.state_dtype = _state_dtype(p.dtype)
+        self.weights = _runtime_weights(drafter)
         self.n = 0  # committed features so far
         self.windows = [KVWindow(cfg.num_kv_heads, cfg.head_dim, cfg.attention_window, p.dtype, p.device)
                         for _ in drafter.layers]
@@ -76,14 +108,15 @@ class DrafterState:
         """Fold verified target features [n, n_layers·D_t] (positions self.n .. self.n+n−1) into the state."""
         d = self.drafter
         c = d.fuse_features(features.to(self.device)[None])  # [1, n, d]
-        pos = torch.arange(self.n, self.n + c.shape[1], device=self.device)
+        cos, sin = rope_tables(torch.arange(self.n, self.n + c.shape[1], device=self.device), d.config.head_dim,
+                               d.config.rope_theta, c.dtype)
         i = 0
-        for layer, window in zip(d.layers, self.windows):
-            k, v = layer.attn.keys_values(c, pos)
-            window.append(k, v, self.n)
+        for layer, w, window in zip(d.layers, self.weights, self.windows):
+            k, v, *write = w.write(c).split(w.write_sizes, dim=-1)
+            window.append(*layer.attn.heads_kv(k, v, cos, sin), self.n)
             if layer.memory is None:
                 continue
-            mk, mv, mg, mb, self.convs[i] = layer.memory.write_inputs(c, self.convs[i])
+            mk, mv, mg, mb, self.convs[i] = layer.memory.write_inputs(c, self.convs[i], proj=write[0])
             mk, mv, mg = mk.to(self.state_dtype), mv.to(self.state_dtype), mg.to(self.state_dtype)
             mb = None if mb is None else mb.to(self.state_dtype)
             limit = d.config.memory_limit
@@ -106,27 +139,34 @@ class DrafterState:
 
     @torch.no_grad()
     def draft_hidden(self, anchor: int) -> torch.Tensor:
-        """Final slot states [S, d] of the block anchored at ``anchor`` (position self.n). Reads only."""
+        """Final slot states [S, d] of the block anchored at ``anchor`` (position self.n). Reads only.
+        The layers' computation (DrafterLayer.forward) with the fused projections of ``_LayerWeights``."""
         d, cfg = self.drafter, self.drafter.config
         S = cfg.block_size
         h = d.slot_inputs(torch.tensor([[anchor]], device=self.device))[0]  # [1, S, d]
-        positions = torch.arange(self.n, self.n + S, device=self.device)[None]
+        cos, sin = rope_tables(torch.arange(self.n, self.n + S, device=self.device), cfg.head_dim, cfg.rope_theta,
+                               h.dtype)
         mask = None
         if not cfg.slot_attention:
             ctx = self.windows[0].visible()[0].shape[2]
             mask = torch.cat([torch.ones(1, S, ctx, dtype=torch.bool, device=self.device),
                               torch.eye(S, dtype=torch.bool, device=self.device)[None]], dim=-1)
         i = 0
-        for layer, window in zip(d.layers, self.windows):
+        for layer, w, window in zip(d.layers, self.weights, self.windows):
+            x = layer.norm(h)
+            q, k, v, *mem_proj = w.read(x).split(w.read_sizes, dim=-1)
+            k, v = layer.attn.heads_kv(k, v, cos, sin)
             ctx_k, ctx_v = window.visible()
-            read = None
+            out = layer.attn.attend(layer.attn.heads_q(q, cos, sin), torch.cat([ctx_k, k], dim=2),
+                                    torch.cat([ctx_v, v], dim=2), mask)
             if layer.memory is not None:
                 state = self._memory(i, layer.memory.kind)
-
-                def read(q, state=state):
-                    return mem.read(state, q.to(state.dtype))
+                y = mem.read(state, layer.memory.heads_q(mem_proj[0]).to(state.dtype))
+                out = torch.cat([out, layer.memory.gated(y, mem_proj[1])], dim=-1)
                 i += 1
-            h = layer(h, positions, ctx_k, ctx_v, mask, read)
+            h = h + w.out(out)
+            gate, up = w.gate_up(layer.mlp_norm(h)).chunk(2, dim=-1)
+            h = h + w.down(F.silu(gate) * up)
         return h[0]
 
     def nbytes(self) -> int:
