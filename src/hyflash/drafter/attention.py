@@ -71,9 +71,8 @@ class LocalAttention(nn.Module):
         """q [B, H, Q, hd], k/v [B, Hkv, T, hd], mask [B, Q, T] or None → [B, Q, H·hd] (before o_proj)."""
         B, _, Q, _ = q.shape
         g = self.h // self.hkv
-        if mask is None and g > 1:  # grouped queries: each kv head serves its g query heads, no k/v copies
-            o = F.scaled_dot_product_attention(q.reshape(B, self.hkv, g * Q, self.hd), k, v)
-            o = o.view(B, self.h, Q, self.hd)
+        if mask is None:  # the runtime: each kv head serves its g query heads, no k/v copies (as hyflash.fast)
+            o = F.scaled_dot_product_attention(q, k, v, enable_gqa=g > 1)
         else:
             if g > 1:
                 k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
