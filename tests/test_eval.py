@@ -86,7 +86,7 @@ def test_padded_hotpotqa_prompts_fall_inside_their_bucket(smollm2_fp32, bucket):
 def test_probe_and_report_prompts_fall_inside_their_bucket(smollm2_fp32, kind):
     t = smollm2_fp32
     def text(r):  # each bundle its own words, so a passage is found only where it was put
-        return " ".join(f"Sentence {i} of bundle {r} tells about the harbour and the mill." for i in range(600))
+        return " ".join(f"Sentence {i} of bundle{r} tells about harbour{r} and mill{r}." for i in range(600))
     recs = [{"id": f"aa_lcr/{r}", "turns": [text(r) + f"\n\nWhat is item {r}?"], "question": f"What is item {r}?"}
             for r in range(3)]
     for bucket in ("512-1K", "1K-2K"):
@@ -100,6 +100,21 @@ def test_probe_and_report_prompts_fall_inside_their_bucket(smollm2_fp32, kind):
             # nearby: the passage sits at the end (inside a 256-token window); distant: at the very start
             tail = len(t.tokenizer.encode(body[at:], add_special_tokens=False))
             assert tail < 256 if kind == "probe_nearby" else tail > lo - 200
+            # the answer is started with the passage's opening words, so the target goes on copying it
+            prime = t.tokenizer.encode(" ".join(passage.split()[:S.PRIME_WORDS]), add_special_tokens=False)
+            assert items[0].prompt_ids[-len(prime):] == prime
+            assert items[0].meta["passage"] != items[1].meta["passage"]
+
+
+def test_probe_filler_never_contains_the_passage():
+    shared = " ".join(f"w{i}" for i in range(300))  # every bundle opens and closes with the same boilerplate
+    recs = [{"id": f"aa_lcr/{r}", "turns": [f"{shared} own{r} words here {shared}"]} for r in range(3)]
+    recs.append({"id": "aa_lcr/3", "turns": [" ".join(f"v{i}" for i in range(700))]})
+    passage = S.passage_of(recs[0]["turns"][0])
+    assert "own0" in passage  # the middle of the bundle, not its shared opening
+    filler = S._filler_for(recs, 0, passage)
+    assert filler == recs[3]["turns"][0]  # bundles 1 and 2 share the passage's opening words
+    assert S._filler_for(recs[:1] + [{"id": "x", "turns": [recs[0]["turns"][0]]}], 0, passage) is None
 
 
 def test_longcode_and_bucket_names(smollm2_fp32):
@@ -224,3 +239,36 @@ def test_shared_prefill_gives_the_same_generation_and_stays_unchanged(tiny_setup
         generate(target, prompt[:-1], None, shared_prefill=shared)
     with pytest.raises(HyflashError):
         generate(target, prompt, load_proposer(str(path), target), shared_prefill=prefill(target, prompt, False))
+
+
+def test_paper_claims_check_the_bars_on_hand_made_numbers():
+    """FAKE NUMBERS (hand-made aggregates): the verdicts follow the issue's bars."""
+    from hyflash.evaluation.report import paper_claims
+
+    infos = {"h": {"variant": "hyflash", "memory_limit": None, "slot_attention": True},
+             "f": {"variant": "full", "memory_limit": None, "slot_attention": True},
+             "s": {"variant": "swa", "memory_limit": None, "slot_attention": True},
+             "m": {"variant": "hyflash", "memory_limit": 512, "slot_attention": True},
+             "n": {"variant": "hyflash", "memory_limit": None, "slot_attention": False}}
+    taus = {"512-1K": {"h": 2.0, "f": 1.9, "s": 1.9}, "1K-2K": {"h": 2.0, "f": 2.1, "s": 1.9},
+            "2K-4K": {"h": 2.0, "f": 1.6, "s": 1.95}, "4K-8K": {"h": 2.0, "f": 1.1, "s": 1.8}}
+    agg = {}
+    for b, row in taus.items():
+        for d, tau in row.items():
+            size = 1000 if d == "h" else 100 * _bucket_lo(b) if d == "f" else 500
+            agg[("hotpotqa", b, d, 1.0)] = {"tau": tau, "n": 2, "drafter_bytes": (size, size)}
+        for d, tau in (("h", 1.8), ("m", 1.2), ("s", 1.3)):
+            agg[("probe_distant", b, d, 1.0)] = {"tau": tau, "n": 2, "drafter_bytes": (1000, 1000)}
+    md = "\n".join(paper_claims(agg, infos))
+    rows = {line.split("|")[2].strip(): line for line in md.splitlines() if line.startswith("| hotpotqa")}
+    assert rows["512-1K"].endswith("**met** |")          # 1.0 ≥ 0.9
+    assert rows["1K-2K"].endswith("**not met** |")       # 1.0 < 1.1: full attention ahead within the length
+    assert rows["2K-4K"].endswith("**not met** |")       # 1.0 / 0.6 = 1.67 ≥ 1.5 but 1.0 / 0.95 = 1.05 < 1.1
+    assert "| 1.67 | 1.05 |" in rows["2K-4K"]
+    assert rows["4K-8K"].endswith("**met** |") and "| 10.00 | 1.25 |" in rows["4K-8K"]
+    assert "| probe_distant | 4K-8K | 0.80 | memory-limited: 0.20 | swa: 0.30 | full: – | 4.00 / 2.67 |" in md
+    assert "1,000 B in every bucket" in md and "identical across buckets: **met**" in md
+
+
+def _bucket_lo(b):
+    return S.parse_bucket(b)[0]

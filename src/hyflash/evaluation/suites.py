@@ -200,30 +200,50 @@ def longcode_item(target, files: list[tuple[str, str]], index: int, bucket: str)
                                              {"source": files[index][0]})
 
 
-def passage_of(text: str, words: int = 90, skip: int = 200) -> str:
-    """About `words` words from `text`, starting `skip` words in (a paragraph-sized quote)."""
+def passage_of(text: str, words: int = 90) -> str:
+    """About `words` words from the middle of `text` (a paragraph-sized quote; document bundles share their
+    opening boilerplate, so the start would give every probe the same passage)."""
     w = text.split()
-    return " ".join(w[skip:skip + words]) if len(w) > skip + words else " ".join(w[:words])
+    skip = max(0, (len(w) - words) // 2)
+    return " ".join(w[skip:skip + words])
+
+
+PRIME_WORDS = 8  # the answer is started with the passage's first words, so the target copies it verbatim
 
 
 def probe_item(target, kind: str, passage_rec: dict, filler_text: str, bucket: str) -> EvalItem | None:
-    """nearby: filler, then the passage, then a request to repeat the LAST passage (evidence inside the window).
-    distant: the passage, then filler, then a request to repeat the FIRST passage (evidence beyond the window)."""
+    """A copying probe. nearby: filler, then the passage, then a request to repeat the LAST passage (the evidence
+    is inside the window); distant: the passage, then filler, then a request to repeat the FIRST passage (the
+    evidence is only further back than the window). The answer is started with the passage's first words: a
+    135M target will not recall a passage from thousands of tokens back when merely asked, but once started it
+    copies it verbatim, so the continuation depends on distant content, and a drafter is accepted only as far as
+    it carries that content too."""
     lo, hi = parse_bucket(bucket)
     passage = passage_of(passage_rec["turns"][0])
+    prime = target.tokenizer.encode(" ".join(passage.split()[:PRIME_WORDS]), add_special_tokens=False)
     if kind == "probe_nearby":
         def make(n):
             return _chat(target, "Read the text below.\n\n" + _cut_to(target, filler_text, n)
-                         + "\n\nLast passage:\n" + passage + "\n\nRepeat the last passage word for word.")
+                         + "\n\nLast passage:\n" + passage + "\n\nRepeat the last passage word for word.") + prime
     elif kind == "probe_distant":
         def make(n):
             return _chat(target, "First passage:\n" + passage + "\n\nMore text follows.\n\n"
-                         + _cut_to(target, filler_text, n) + "\n\nRepeat the first passage word for word.")
+                         + _cut_to(target, filler_text, n) + "\n\nRepeat the first passage word for word.") + prime
     else:
         raise HyflashError(f"unknown probe {kind!r}")
     ids = _fill_between(target, make, lo, hi)
     return None if ids is None else EvalItem(f"{kind}/{bucket}/{passage_rec['id']}", kind, bucket, ids,
                                              {"source": passage_rec["id"], "passage": passage})
+
+
+def _filler_for(recs: list[dict], i: int, passage: str) -> str | None:
+    """Another bundle's text that does not contain the passage's opening (bundles share boilerplate)."""
+    opening = " ".join(passage.split()[:PRIME_WORDS])
+    for j in range(1, len(recs)):
+        text = recs[(i + j) % len(recs)]["turns"][0]
+        if opening not in " ".join(text.split()):
+            return text
+    return None
 
 
 def long_items(suite: str, target, records: dict[str, list[dict]], buckets: list[str], limit: int,
@@ -257,8 +277,8 @@ def long_items(suite: str, target, records: dict[str, list[dict]], buckets: list
             for i, r in enumerate(recs):
                 if len(got) >= limit:
                     break
-                filler = recs[(i + 1) % len(recs)]["turns"][0]  # another bundle: unrelated to the passage
-                if (item := probe_item(target, suite, r, filler, bucket)) is not None:
+                filler = _filler_for(recs, i, passage_of(r["turns"][0]))  # unrelated to the passage
+                if filler is not None and (item := probe_item(target, suite, r, filler, bucket)) is not None:
                     got.append(item)
         else:
             raise HyflashError(f"unknown long suite {suite!r} (known: {', '.join(LONG_SUITES)})")
