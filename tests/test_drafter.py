@@ -271,3 +271,21 @@ def test_confidence_cuts_the_block_where_the_drafters_own_estimate_falls():
         HyFlashProposer(drafter, confidence=1.5)
     with pytest.raises(HyflashError, match="bad confidence"):
         load_proposer("auto@high", target)
+
+
+def test_tree_candidates_are_the_most_probable_paths_best_first():
+    """HyFlashProposer._tree: nodes in order of their path probability (the product of the slots' probabilities),
+    so parents precede children and a first choice precedes its siblings."""
+    from types import SimpleNamespace
+
+    from hyflash.decoding import Draft
+
+    prop = HyFlashProposer.__new__(HyFlashProposer)
+    prop.branching = 2
+    prop.drafter = SimpleNamespace(token_ids=lambda index: index + 100)
+    probs = torch.tensor([[0.6, 0.3, 0.1], [0.9, 0.05, 0.05], [0.55, 0.35, 0.1]])
+    d = prop._tree(probs.log(), 5)
+    # path scores: .6 (slot 0 first) > .54 (then slot 1 first) > .3 (slot 0 second) > .297 > .27
+    assert d.tokens == [100, 100, 101, 100, 100] and d.parents == [0, 1, 0, 2, 3]
+    assert d.chain().tokens == [100, 100, 100] and d.chain().parents is None
+    assert Draft([5, 6]).chain().tokens == [5, 6]

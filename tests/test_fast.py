@@ -104,3 +104,93 @@ def test_gemma3_270m_fast_path_matches_transformers_beyond_the_sliding_window():
     x = generate(slow, ids, None, max_new_tokens=24)
     y = generate(fast, ids, NgramProposer(), max_new_tokens=24)
     assert x.token_ids == y.token_ids
+
+
+# ------------------------------------------------------------------------------------------ tree verification
+def test_tree_forward_sees_each_path_as_a_chain_and_keeps_the_chosen_one(one_thread):
+    """Every node of a candidate tree gets the logits and features its own path would get as a chain, and after
+    keep_path the cache continues exactly like the chain of the kept path."""
+    _, fast = both(seed=3)
+    prompt = torch.randint(1, 49, (12,), generator=torch.Generator().manual_seed(5))
+    #            node: 1  2  3  4  5  6  7   (0 is the anchor)
+    parents = [0, 1, 0, 2, 3, 1, 4]
+    tree = torch.tensor([7, 11, 13, 17, 19, 23, 29, 31])  # anchor, then node tokens
+    cache = fast.new_cache(64)
+    fast.forward(prompt, cache)
+    out = fast.forward(tree, cache, parents=parents)
+
+    def path_to(node):
+        path = [node]
+        while path[-1]:
+            path.append(parents[path[-1] - 1])
+        return path[::-1]
+
+    for node in range(len(tree)):
+        nodes = path_to(node)
+        ref = fast.new_cache(64)
+        fast.forward(prompt, ref)
+        chain = fast.forward(tree[nodes], ref)
+        assert torch.allclose(out.logits[node], chain.logits[-1], atol=1e-10, rtol=1e-10)
+        assert torch.allclose(out.features[node], chain.features[-1], atol=1e-10, rtol=1e-10)
+    kept = path_to(7)  # 0 → 1 → 2 → 4 → 7: not the nodes' storage order
+    fast.keep_path(cache, len(prompt), kept)
+    ref = fast.new_cache(64)
+    fast.forward(torch.cat([prompt, tree[kept]]), ref)
+    assert fast.cache_length(cache) == fast.cache_length(ref) == len(prompt) + len(kept)
+    nxt = torch.tensor([37, 41])
+    assert torch.allclose(fast.forward(nxt, cache).logits, fast.forward(nxt, ref).logits, atol=1e-10, rtol=1e-10)
+    with pytest.raises(ValueError):
+        fast.forward(tree[:3], fast.new_cache(8), parents=[1, 0])  # a parent after its child
+    slow = _llama(3, torch.float64)
+    with pytest.raises(HyflashError):
+        slow.forward(tree[:3], slow.new_cache(), parents=[0, 0])  # transformers' path verifies chains only
+
+
+class OracleTree:
+    """Drafts a tree whose second branch holds the true continuation (known from a plain run) and whose first holds
+    wrong tokens, with random leaves: the engine must find the right path wherever it sits."""
+
+    needs_features = False
+    block_size = 4
+
+    def __init__(self, truth: list[int], prompt_len: int):
+        self.truth, self.prompt_len, self.seen = truth, prompt_len, 0
+        self.gen = torch.Generator().manual_seed(9)
+
+    def reset(self, prompt_ids):
+        self.seen = 0
+
+    def commit(self, token_ids, features):
+        self.seen += len(token_ids)
+
+    def draft(self, anchor, max_tokens, sampling):
+        from hyflash.decoding import Draft
+
+        done = self.seen - self.prompt_len + 1  # new tokens committed so far, the anchor included
+        right = self.truth[done:done + 3]
+        if max_tokens < 8 or len(right) < 3:
+            return Draft([])
+        wrong = [(t + 1) % 49 + 1 for t in right]
+        noise = torch.randint(1, 49, (2,), generator=self.gen).tolist()
+        # nodes 1-2: a wrong chain; 3-5: the right chain (cut after two when seen is odd); 6-7: noise leaves
+        tokens = wrong[:2] + right + noise
+        parents = [0, 1, 0, 3, 4, 3, 2]
+        if self.seen % 2:
+            tokens[4] = wrong[2]
+        return Draft(tokens, parents=parents)
+
+    def state_bytes(self):
+        return 0
+
+
+def test_greedy_tree_generation_is_identical_and_takes_the_right_branch(one_thread):
+    _, fast = both(seed=1)
+    prompt = torch.randint(1, 49, (20,), generator=torch.Generator().manual_seed(2)).tolist()
+    plain = generate(fast, prompt, None, max_new_tokens=40)
+    tree = generate(fast, prompt, OracleTree(plain.token_ids, len(prompt)), max_new_tokens=40)
+    assert tree.token_ids == plain.token_ids
+    assert tree.stats.acceptance_length > 2.5  # two or three drafted tokens accepted in most rounds
+    # where the target cannot verify a tree (transformers' path, or sampling), the tree's first chain is sent
+    slow = _llama(1, torch.float64)
+    chain = generate(slow, prompt, OracleTree(plain.token_ids, len(prompt)), max_new_tokens=40)
+    assert chain.token_ids == plain.token_ids and chain.stats.acceptance_length < 1.5  # the wrong chain

@@ -65,3 +65,22 @@ def test_greedy_is_token_identical(smollm2_fp32):
             assert result.token_ids == ref, f"{name} with {type(proposer).__name__}"
             accepted_any |= result.stats.acceptance_length > 1.0
     assert accepted_any, "prompt lookup never had a draft accepted: the speculative path was not exercised"
+
+
+def test_greedy_tree_drafting_with_the_shipped_drafter_is_token_identical(smollm2_fp32):
+    """The fast engine verifying trees of candidates from the shipped drafter (hyflash generate's drafter#N)
+    gives the target's own greedy tokens, and the tree is exercised (more than one token committed per round)."""
+    from hyflash.proposers import load_proposer
+    from hyflash.target import Target
+
+    fast = Target.load("smollm2-135m", dtype="fp32", fast=True)
+    assert fast.supports_tree
+    proposer = load_proposer("auto#12", fast)
+    assert proposer.tree == 12
+    taus = []
+    for text in CHAT[:4] + PLAIN[:2]:
+        ids = fast.encode(text, chat=text in CHAT)
+        result = generate(fast, ids, proposer, max_new_tokens=MAX_NEW)
+        assert result.token_ids == reference_greedy(smollm2_fp32, ids, MAX_NEW), text
+        taus.append(result.stats.acceptance_length)
+    assert max(taus) > 1.5

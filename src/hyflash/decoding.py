@@ -79,6 +79,21 @@ def random_stream(seed: int | None, stream: int) -> torch.Generator:
 class Draft:
     tokens: list[int]  # K drafted tokens d_1..d_K
     probs: torch.Tensor | None = None  # [K, V] fp32 distributions the tokens were sampled from; None = point masses
+    # None: a chain (d_i follows d_{i−1}). Else a tree of candidates (greedy decoding only): d_i follows
+    # parents[i − 1], an index into [anchor, d_1, ..]; a parent precedes its children, and among siblings the one
+    # that continues the drafter's first choice comes first.
+    parents: list[int] | None = None
+
+    def chain(self) -> "Draft":
+        """The tree's first-choice path (first child at every level) as a chain; a chain is returned as is."""
+        if self.parents is None:
+            return self
+        tokens, at = [], 0
+        for i, p in enumerate(self.parents, start=1):
+            if p == at:
+                tokens.append(self.tokens[i - 1])
+                at = i
+        return Draft(tokens)
 
 
 class Proposer(Protocol):
@@ -175,6 +190,21 @@ def verify_block(logits: torch.Tensor, draft: Draft, sampling: SamplingConfig,
     return len(draft.tokens), int(torch.multinomial(p[len(draft.tokens)], 1, generator=sample_gen))
 
 
+def verify_tree(logits: torch.Tensor, draft: Draft) -> tuple[list[int], int]:
+    """Greedy acceptance over a tree of candidates: from the anchor, follow the child that equals the target's
+    argmax while there is one. ``logits`` [n+1, V] row i: the prediction after the path to node i (0: the anchor).
+    Returns (accepted nodes, 1-based, in order; the target's token after the last of them)."""
+    top = logits.max(-1).indices.tolist()
+    children: dict[int, dict[int, int]] = {}
+    for i, p in enumerate(draft.parents, start=1):
+        children.setdefault(p, {}).setdefault(draft.tokens[i - 1], i)
+    path, node = [], 0
+    while (child := children.get(node, {}).get(top[node])) is not None:
+        path.append(child)
+        node = child
+    return path, top[node]
+
+
 @dataclass
 class Prefill:
     """The target's pass over a prompt, computed once and shared by several generations (e.g. one per drafter in
@@ -236,6 +266,7 @@ def generate(target, prompt_ids: list[int], proposer: Proposer | None = None, ma
         out = target.forward(torch.tensor(prompt_ids), cache, features=proposer.needs_features)
         target.rollback(cache, len(prompt_ids))
         last_logits, features = out.logits[-1], out.features
+    tree_ok = target.supports_tree and hasattr(cache, "capacity")  # else a drafted tree is cut to its chain
     proposer.reset(list(prompt_ids))
     proposer.commit(list(prompt_ids), features if proposer.needs_features else None)
     anchor = int(torch.multinomial(target_probs(last_logits, sampling), 1, generator=sample_gen)) \
@@ -255,17 +286,27 @@ def generate(target, prompt_ids: list[int], proposer: Proposer | None = None, ma
             break
         t0 = time.perf_counter()
         draft = proposer.draft(anchor, room - 1, sampling) if room > 1 else Draft([])
+        if draft.parents is not None and not (tree_ok and sampling.greedy):
+            draft = draft.chain()
         draft.tokens = draft.tokens[:room - 1]
+        draft.parents = None if draft.parents is None else draft.parents[:room - 1]
         t1 = time.perf_counter()
-        out = target.forward(torch.tensor([anchor] + draft.tokens), cache, features=proposer.needs_features)
-        m, bonus = verify_block(out.logits, draft, sampling, coin_gen, sample_gen)
-        target.rollback(cache, committed + m + 1)
+        out = target.forward(torch.tensor([anchor] + draft.tokens), cache, features=proposer.needs_features,
+                             parents=draft.parents)
+        if draft.parents is None:
+            m, bonus = verify_block(out.logits, draft, sampling, coin_gen, sample_gen)
+            target.rollback(cache, committed + m + 1)
+            kept, rows = draft.tokens[:m], slice(0, m + 1)
+        else:  # the accepted path's keys/values move up to follow the committed ones; the other branches go
+            path, bonus = verify_tree(out.logits, draft)
+            target.keep_path(cache, committed, [0] + path)
+            m, kept, rows = len(path), [draft.tokens[i - 1] for i in path], [0] + path
         t2 = time.perf_counter()
         stats.draft_ms += 1e3 * (t1 - t0)
         stats.verify_ms += 1e3 * (t2 - t1)
-        accepted = [anchor] + draft.tokens[:m]
-        proposer.commit(accepted, None if out.features is None else out.features[:m + 1])
-        round_tokens = draft.tokens[:m] + [bonus]
+        accepted = [anchor] + kept
+        proposer.commit(accepted, None if out.features is None else out.features[rows])
+        round_tokens = kept + [bonus]
         stats.rounds += 1
         stats.drafted += len(draft.tokens)
         # stop inside the block: EOS, stop string or token budget end the round where they occur

@@ -31,6 +31,15 @@ class StaticCache:
             raise ValueError(f"static cache of {self.capacity} tokens is full ({end} needed)")
         return start, end
 
+    def keep_path(self, start: int, nodes: list[int]) -> None:
+        """After a tree of candidates was verified at [start, ...): keep the entries of ``nodes`` (offsets from
+        ``start``, ascending, the first 0) packed at start, start+1, ..., and drop the rest."""
+        index = torch.tensor(nodes, device=self.k[0].device) + start
+        end = start + len(nodes)
+        for buf in self.k + self.v:
+            buf[0, :, start:end] = buf[0, :, index]  # advanced indexing gathers a copy first: overlaps are safe
+        self.length = end
+
     def nbytes(self) -> int:
         """Bytes of the keys/values held (the committed length; the buffers are ``capacity`` long)."""
         k = self.k[0]
@@ -55,6 +64,20 @@ def supports(model) -> bool:
                 and c.hidden_activation in ("gelu_pytorch_tanh", "gelu")
                 and all((r or {}).get("rope_type", "default") in ("default", "linear") for r in ropes.values()))
     return False
+
+
+def tree_mask(parents: list[int], start: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For tokens 0..n−1 where token i ≥ 1 follows token parents[i − 1] (< i): their positions (start + depth)
+    and which of them each sees ([n, n] bool: its ancestors and itself)."""
+    n = len(parents) + 1
+    sees = torch.eye(n, dtype=torch.bool)
+    depth = [0] * n
+    for i, p in enumerate(parents, start=1):
+        if not 0 <= p < i:
+            raise ValueError(f"tree token {i} has parent {p}; a parent must come before its child")
+        sees[i] |= sees[p]
+        depth[i] = depth[p] + 1
+    return torch.tensor(depth) + start, sees
 
 
 def lean_forward(model, pack: bool = True):
@@ -107,16 +130,27 @@ class LeanLlama:
         return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, cache: StaticCache, feature_layers: list[int] | None):
-        """ids [n] after cache.length cached tokens → (fp32 logits [n, V], features [n, F] or None)."""
+    def forward(self, ids: torch.Tensor, cache: StaticCache, feature_layers: list[int] | None,
+                parents: list[int] | None = None):
+        """ids [n] after cache.length cached tokens → (fp32 logits [n, V], features [n, F] or None).
+        ``parents``: the new tokens form a tree (token i follows token parents[i − 1] < i; token 0 follows the
+        cache), each sees the cache and its own ancestors, at position start + its depth; None: a chain."""
         n = ids.shape[0]
         start, end = cache.span(n)
         h = F.embedding(ids, self.embed)  # [n, d]
-        cos, sin = self._rope(torch.arange(start, end, device=ids.device), h.dtype)  # [n, hd]
+        if parents is None:
+            positions = torch.arange(start, end, device=ids.device)
+        else:
+            positions, tree = tree_mask(parents, start)
+            positions = positions.to(ids.device)
+        cos, sin = self._rope(positions, h.dtype)  # [n, hd]
         cos, sin = cos[None], sin[None]  # broadcast over heads
         H, Hkv, hd = self.H, self.Hkv, self.hd
         mask = None
-        if n > 1:  # new token i sees cached tokens and new tokens 0..i
+        if parents is not None:
+            mask = torch.ones(n, end, dtype=torch.bool, device=ids.device)
+            mask[:, start:] = tree.to(ids.device)
+        elif n > 1:  # new token i sees cached tokens and new tokens 0..i
             mask = torch.ones(n, end, dtype=torch.bool, device=ids.device).tril(start)
         keep = set(feature_layers or [])
         feats = []

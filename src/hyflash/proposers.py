@@ -6,6 +6,7 @@ from the anchor without changing what it has committed.
 
 from __future__ import annotations
 
+import heapq
 from pathlib import Path
 
 import torch
@@ -85,9 +86,12 @@ class HyFlashProposer:
 
     needs_features = True
 
-    def __init__(self, drafter: drafter_model.HyFlashDrafter, seed: int | None = None, confidence: float = 0.0):
+    def __init__(self, drafter: drafter_model.HyFlashDrafter, seed: int | None = None, confidence: float = 0.0,
+                 tree: int = 0, branching: int = 3):
         if not 0.0 <= confidence <= 1.0:
             raise HyflashError(f"confidence must be in [0, 1], got {confidence}")
+        if tree < 0 or branching < 1:
+            raise HyflashError(f"tree must be >= 0 nodes and branching >= 1, got {tree} and {branching}")
         self.drafter = drafter.eval()
         self.drafter.pack_for_inference()  # bf16 on CPU: weights in oneDNN's layout (hyflash.packed)
         self.block_size = drafter.config.block_size
@@ -97,6 +101,12 @@ class HyFlashProposer:
         # with the block; slots it will almost surely reject are not worth sending. 0 keeps every slot. Any cut is
         # exact: verification of a shorter draft follows the same acceptance rule.
         self.confidence = confidence
+        # Tree drafting (greedy decoding): instead of one chain, send the ``tree`` most likely candidates, each
+        # slot's ``branching`` best tokens, expanded best first by the product of the drafter's probabilities along
+        # the path — as Medusa builds its candidate trees from independent per-position heads, which the block's
+        # slots are. The target verifies them all in one forward (hyflash.fast.tree_mask) and keeps the longest
+        # path it agrees with. 0: a chain.
+        self.tree, self.branching = tree, branching
         self.state: DrafterState | None = None
 
     @classmethod
@@ -119,6 +129,8 @@ class HyFlashProposer:
         h = self.state.draft_hidden(anchor)[:k]  # [k, d]
         if d.config.causal_head_rank == 0:
             logits = d.logits(h)
+            if sampling.greedy and self.tree > 1:
+                return self._tree(logits, min(self.tree, max_tokens))
             if sampling.greedy:
                 index = logits.max(-1).indices  # the first maximal index, as argmax (and faster in bf16)
                 keep = self._keep(logits, index)
@@ -136,6 +148,26 @@ class HyFlashProposer:
             tokens.append(prev)
             probs.append(q)
         return Draft(tokens, None if sampling.greedy else d.full_vocab(torch.stack(probs)))
+
+    def _tree(self, logits: torch.Tensor, budget: int) -> Draft:
+        """The ``budget`` most probable candidate nodes (slot d's token r has probability p[d, r]; a node's score
+        is the product along its path), best first, so a parent precedes its children and a first choice its
+        siblings."""
+        probs = logits.float().softmax(-1).topk(min(self.branching, logits.shape[-1]), dim=-1)
+        p, ids = probs.values.tolist(), self.drafter.token_ids(probs.indices).tolist()
+        slots = len(p)
+        tokens, parents = [], []
+        heap = [(-p[0][r], 0, r, 0) for r in range(len(p[0]))]  # (−score, slot, rank, parent node)
+        heapq.heapify(heap)
+        while heap and len(tokens) < budget:
+            neg, slot, r, parent = heapq.heappop(heap)
+            tokens.append(ids[slot][r])
+            parents.append(parent)
+            if slot + 1 < slots:
+                node = len(tokens)
+                for r2 in range(len(p[slot + 1])):
+                    heapq.heappush(heap, (neg * p[slot + 1][r2], slot + 1, r2, node))
+        return Draft(tokens, parents=parents)
 
     def _keep(self, scores: torch.Tensor, index: torch.Tensor, probs: bool = False) -> int:
         """How many leading slots to send: all, or those whose running product of probabilities stays >= confidence.
@@ -186,11 +218,17 @@ class LookupThenDrafter:
 
 
 def load_proposer(spec: str, target, block_size: int | None = None, seed: int | None = None,
-                  confidence: float | None = None):
+                  confidence: float | None = None, tree: int | None = None):
     """``none`` | ``ngram`` | ``random`` | ``auto`` (the drafter shipped for this target, else ngram) | a drafter
     checkpoint directory | ``ngram+auto`` or ``ngram+PATH`` (prompt lookup when it matches, else that drafter).
     A drafter spec may end in ``@C`` (e.g. ``auto@0.1``): adaptive block length with that confidence
-    (``HyFlashProposer``); ``confidence`` does the same for a spec without one."""
+    (``HyFlashProposer``); ``confidence`` does the same for a spec without one. It may end in ``#N`` (e.g.
+    ``auto#12``): greedy decoding verifies a tree of N candidate tokens instead of a chain; ``tree`` likewise."""
+    if "#" in spec:
+        spec, _, value = spec.rpartition("#")
+        if not value.isdigit():
+            raise HyflashError(f"bad tree size {value!r} after # in the drafter spec (want e.g. auto#12)")
+        tree = int(value)
     if "@" in spec:
         spec, _, value = spec.rpartition("@")
         try:
@@ -201,7 +239,7 @@ def load_proposer(spec: str, target, block_size: int | None = None, seed: int | 
         inner = spec[len("ngram+"):]
         if inner == "auto" and shipped_drafter_path(target) is None:
             raise HyflashError(f"no drafter shipped for {target.name}: use ngram, or ngram+PATH")
-        drafter = load_proposer(inner, target, block_size, seed, confidence)
+        drafter = load_proposer(inner, target, block_size, seed, confidence, tree)
         if not isinstance(drafter, HyFlashProposer):
             raise HyflashError(f"ngram+ needs a drafter checkpoint after the +, not {inner!r}")
         return LookupThenDrafter(drafter)
@@ -218,4 +256,4 @@ def load_proposer(spec: str, target, block_size: int | None = None, seed: int | 
         spec = str(path)
     if not Path(spec).exists():
         raise HyflashError(f"unknown drafter {spec!r}: not none/ngram/auto and no such checkpoint directory")
-    return HyFlashProposer.from_pretrained(spec, target, seed=seed, confidence=confidence or 0.0)
+    return HyFlashProposer.from_pretrained(spec, target, seed=seed, confidence=confidence or 0.0, tree=tree or 0)

@@ -321,16 +321,29 @@ class Target:
         length = getattr(cache, "length", None)  # hyflash.fast.StaticCache
         return length if isinstance(length, int) else cache.get_seq_length()
 
+    @property
+    def supports_tree(self) -> bool:
+        """Whether ``forward`` verifies a tree of candidates (our lean Llama forward; greedy decoding uses it)."""
+        from hyflash.fast import LeanLlama
+
+        return isinstance(self.lean, LeanLlama)
+
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, cache, features: bool = True) -> TargetOutput:
-        """Run ``ids`` ([k] or [1, k]) after the cached prefix; positions continue from the cache length."""
+    def forward(self, ids: torch.Tensor, cache, features: bool = True,
+                parents: list[int] | None = None) -> TargetOutput:
+        """Run ``ids`` ([k] or [1, k]) after the cached prefix; positions continue from the cache length.
+        ``parents``: the ids are a tree of candidates (see ``hyflash.fast.tree_mask``; needs ``supports_tree``);
+        follow with ``keep_path``."""
         ids = ids.reshape(1, -1).to(self.device)
         start = self.cache_length(cache)
         if start + ids.shape[1] > self.max_context:
             raise HyflashError(f"sequence of {start + ids.shape[1]} tokens exceeds the target's context "
                                f"window of {self.max_context}")
+        if parents is not None and not (self.supports_tree and hasattr(cache, "capacity")):
+            raise HyflashError("tree verification needs the fast path of a Llama target (Target.supports_tree)")
         if self.lean is not None and hasattr(cache, "capacity"):
-            logits, feats = self.lean.forward(ids[0], cache, self.feature_layers if features else None)
+            extra = {} if parents is None else {"parents": parents}
+            logits, feats = self.lean.forward(ids[0], cache, self.feature_layers if features else None, **extra)
             return TargetOutput(logits, feats)
         # sliding-window layers can only roll back into the block of the latest forward (see rollback)
         cache.hyflash_floor = start
@@ -342,6 +355,12 @@ class Target:
             # hidden_states[0] is the embedding output; hidden_states[i + 1] is decoder layer i's output
             feats = torch.cat([out.hidden_states[i + 1][0] for i in self.feature_layers], dim=-1)
         return TargetOutput(out.logits[0].float(), feats)
+
+    @staticmethod
+    def keep_path(cache, start: int, nodes: list[int]) -> None:
+        """After a tree forward at ``start``: keep the tree tokens ``nodes`` (offsets, ascending, the first 0) as
+        the sequence's continuation, drop the others."""
+        cache.keep_path(start, nodes)
 
     def rollback(self, cache, length: int) -> None:
         """Keep the first ``length`` cached tokens. Always crops, so sliding-window layers trim to their window."""
