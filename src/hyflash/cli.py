@@ -37,7 +37,8 @@ def cli():
 @click.option("--target", default=None, help="Embedded name (smollm2-135m), model directory, .gguf file or hub id.")
 @click.option("--drafter", default="auto", show_default=True,
               help="none | ngram | auto (the shipped drafter) | path to a drafter checkpoint | ngram+auto, ngram+PATH "
-                   "(prompt lookup when the text repeats, else the drafter).")
+                   "(prompt lookup when the text repeats, else the drafter). A drafter may end in @C (adaptive block "
+                   "length, e.g. auto@0.05) or #N (greedy: verify a tree of N candidates, e.g. auto#12).")
 @click.option("--max-new-tokens", default=128, show_default=True, type=int)
 @click.option("--temperature", default=0.0, show_default=True, type=float, help="0 = greedy.")
 @click.option("--top-k", default=0, show_default=True, type=int)
