@@ -289,3 +289,18 @@ def test_tree_candidates_are_the_most_probable_paths_best_first():
     assert d.tokens == [100, 100, 101, 100, 100] and d.parents == [0, 1, 0, 2, 3]
     assert d.chain().tokens == [100, 100, 100] and d.chain().parents is None
     assert Draft([5, 6]).chain().tokens == [5, 6]
+
+
+def test_drafter_specs_choose_a_tree_or_a_chain(tmp_path):
+    from hyflash.proposers import DEFAULT_TREE
+
+    target = tiny_llama(vocab=50, hidden=32)
+    save_pretrained(new_drafter(DrafterConfig(**{**TINY, "hidden_size": 32}), target), tmp_path / "d", dtype=None)
+    path = str(tmp_path / "d")
+    assert load_proposer(path, target).tree == DEFAULT_TREE  # the default: a tree when greedy on the fast path
+    assert load_proposer(path + "#5", target).tree == 5
+    assert load_proposer(path + "#0", target).tree == 0  # a chain
+    assert load_proposer(path + "@0.1", target).tree == 0  # adaptive block length is a chain's
+    assert load_proposer("ngram+" + path + "#7", target).drafter.tree == 7
+    with pytest.raises(HyflashError, match="bad tree size"):
+        load_proposer(path + "#many", target)
