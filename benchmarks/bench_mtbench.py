@@ -28,7 +28,8 @@ def main():
     ap.add_argument("--target", default="smollm2-135m")
     ap.add_argument("--drafters", default="none,ngram,auto",
                     help="comma-separated none | ngram | auto | PATH | LABEL=SPEC, a drafter may end in @C (adaptive "
-                         "block length, e.g. auto@0.05); 'none' is the baseline")
+                         "block length, e.g. auto@0.05) or #N (a tree of N candidates when greedy, #0 a chain); "
+                         "'none' is the baseline")
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--limit", type=int, default=80)
     ap.add_argument("--max-new-tokens", type=int, default=128)
