@@ -221,15 +221,9 @@ class LookupThenDrafter:
         return self.lookup.state_bytes() + self.drafter.state_bytes()
 
 
-def load_proposer(spec: str, target, block_size: int | None = None, seed: int | None = None,
-                  confidence: float | None = None, tree: int | None = None):
-    """``none`` | ``ngram`` | ``random`` | ``auto`` (the drafter shipped for this target, else ngram) | a drafter
-    checkpoint directory | ``ngram+auto`` or ``ngram+PATH`` (prompt lookup when it matches, else that drafter).
-    A drafter spec may end in ``@C`` (e.g. ``auto@0.1``): adaptive block length with that confidence
-    (``HyFlashProposer``); ``confidence`` does the same for a spec without one. It may end in ``#N`` (e.g.
-    ``auto#12``): greedy decoding verifies a tree of N candidate tokens instead of a chain (``#0``: a chain);
-    ``tree`` likewise. Without either, a drafter sends a tree of ``DEFAULT_TREE`` nodes (an adaptive block length
-    alone means a chain)."""
+def split_spec(spec: str) -> tuple[str, float | None, int | None]:
+    """``BASE[@C][#N]`` → (BASE, confidence C or None, tree size N or None)."""
+    confidence = tree = None
     if "#" in spec:
         spec, _, value = spec.rpartition("#")
         if not value.isdigit():
@@ -241,6 +235,21 @@ def load_proposer(spec: str, target, block_size: int | None = None, seed: int | 
             confidence = float(value)
         except ValueError:
             raise HyflashError(f"bad confidence {value!r} after @ in the drafter spec (want e.g. auto@0.1)") from None
+    return spec, confidence, tree
+
+
+def load_proposer(spec: str, target, block_size: int | None = None, seed: int | None = None,
+                  confidence: float | None = None, tree: int | None = None):
+    """``none`` | ``ngram`` | ``random`` | ``auto`` (the drafter shipped for this target, else ngram) | a drafter
+    checkpoint directory | ``ngram+auto`` or ``ngram+PATH`` (prompt lookup when it matches, else that drafter).
+    A drafter spec may end in ``@C`` (e.g. ``auto@0.1``): adaptive block length with that confidence
+    (``HyFlashProposer``); ``confidence`` does the same for a spec without one. It may end in ``#N`` (e.g.
+    ``auto#12``): greedy decoding verifies a tree of N candidate tokens instead of a chain (``#0``: a chain);
+    ``tree`` likewise. Without either, a drafter sends a tree of ``DEFAULT_TREE`` nodes (an adaptive block length
+    alone means a chain)."""
+    spec, spec_confidence, spec_tree = split_spec(spec)
+    confidence = confidence if spec_confidence is None else spec_confidence
+    tree = tree if spec_tree is None else spec_tree
     if spec.startswith("ngram+"):
         inner = spec[len("ngram+"):]
         if inner == "auto" and shipped_drafter_path(target) is None:

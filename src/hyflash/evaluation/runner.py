@@ -64,10 +64,9 @@ def parse_drafters(spec: str) -> dict[str, str]:
 
 def drafter_info(spec: str, target) -> dict:
     from hyflash.drafter.config import DrafterConfig
-    from hyflash.proposers import shipped_drafter_path
+    from hyflash.proposers import shipped_drafter_path, split_spec
 
-    base, _, tree = spec.partition("#")  # "auto#12": a tree of 12 candidates (proposers.load_proposer)
-    base, _, confidence = base.partition("@")  # "auto@0.1": adaptive block length
+    base, confidence, tree = split_spec(spec)  # "auto@0.1": adaptive block length; "auto#12": a tree of 12
     path = shipped_drafter_path(target) if base.endswith("auto") else None
     if path is None and base not in ("none", "ngram", "auto", "ngram+auto", "random"):
         path = Path(base.removeprefix("ngram+"))
@@ -78,8 +77,8 @@ def drafter_info(spec: str, target) -> dict:
     return {"spec": spec, "path": str(path), "weights_sha256": digest, "variant": cfg.variant,
             "num_layers": cfg.num_layers, "window": cfg.window, "memory": cfg.memory,
             "memory_limit": cfg.memory_limit, "slot_attention": cfg.slot_attention,
-            "draft_vocab_size": cfg.draft_vocab_size, "confidence": float(confidence) if confidence else 0.0,
-            "tree": int(tree) if tree else None}
+            "draft_vocab_size": cfg.draft_vocab_size, "confidence": confidence or 0.0,
+            "tree": tree}
 
 
 def build_items(target, suites: list[str], buckets: list[str], limit: int, seed: int = 0) -> list[S.EvalItem]:
