@@ -256,3 +256,62 @@ def test_features_resume_and_bf16_store_round_trip(target, sequences, features, 
     monkeypatch.setattr(F.shutil, "disk_usage", lambda p: type("U", (), {"free": 1000})())
     with pytest.raises(HyflashError, match="not enough disk"):
         extract_features(sequences, tmp_path / "full", target, shard_tokens=150, topk=5)
+
+
+# --------------------------------------------------------------------------- online features (GPU training)
+
+
+def test_online_store_returns_what_the_disk_store_holds(target, sequences, features):
+    from hyflash.data.online import OnlineFeatureStore
+
+    disk, online = FeatureStore(features), OnlineFeatureStore(sequences, target, topk=5, keep=2)
+    assert len(online) == len(disk) and online.total_tokens == disk.total_tokens
+    assert online.kinds() == disk.kinds() and online.lengths() == disk.lengths()
+    for i in list(range(len(disk))) + [0]:  # 0 again: after it left the kept items
+        a, b = disk[i], online[i]
+        assert a.keys() == b.keys() and (a["id"], a["kind"], a["spans"]) == (b["id"], b["kind"], b["spans"])
+        for k in ("features", "input_ids", "labels", "topk_vals", "topk_ids"):
+            assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+    with pytest.raises(HyflashError, match="not found"):
+        OnlineFeatureStore(features / "nope.jsonl", target)
+
+
+def test_training_on_online_features_equals_training_on_the_cache(target, sequences, features, tmp_path):
+    """A recipe whose data is the sequences file trains the same drafter as one whose data is their feature cache
+    (same batches, same steps: bit-identical weights), and a wrong device is a clear error."""
+    from hyflash.train import TrainConfig, open_store, train
+
+    drafter = dict(num_layers=1, block_size=3, window=4, hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8,
+                   intermediate_size=32, memory_heads=2, memory_head_dim=8, memory_state_dim=8,
+                   target_layers=list(target.feature_layers))
+    cfg = dict(drafter=drafter, seq_len=32, anchors_per_seq=4, batch_seqs=2, steps=3, val_fraction=0.3,
+               val_sequences=2, ckpt_every=3, eval_every=3, bf16=False, kl_weight=0.5)
+    with pytest.raises(HyflashError, match="need the target"):
+        open_store(str(sequences))
+    cached = train(TrainConfig(**cfg, data=str(features)), tmp_path / "cached", target=target)
+    online = train(TrainConfig(**cfg, data=str(sequences), online_topk=5), tmp_path / "online", target=target)
+    for (name, a), (_, b) in zip(cached.state_dict().items(), online.state_dict().items()):
+        assert torch.equal(a, b), name
+    assert (tmp_path / "online" / "final" / "model.safetensors").exists()
+    if not torch.cuda.is_available():
+        with pytest.raises(HyflashError, match="no CUDA device"):
+            train(TrainConfig(**cfg, data=str(sequences), device="cuda"), tmp_path / "gpu", target=target)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on a GPU machine)")
+def test_training_on_a_gpu_with_online_features_learns(target, sequences, tmp_path):
+    import copy
+
+    from hyflash.train import TrainConfig, train
+
+    gpu_target = copy.deepcopy(target)
+    gpu_target.model = gpu_target.model.float().cuda()
+    drafter = dict(num_layers=1, block_size=3, window=4, hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8,
+                   intermediate_size=32, memory_heads=2, memory_head_dim=8, memory_state_dim=8,
+                   target_layers=list(target.feature_layers))
+    cfg = TrainConfig(drafter=drafter, data=str(sequences), seq_len=32, anchors_per_seq=4, batch_seqs=2, steps=40,
+                      lr=3e-3, val_fraction=0.3, val_sequences=2, ckpt_every=20, eval_every=20, device="cuda")
+    train(cfg, tmp_path / "gpu", target=gpu_target)
+    log = [json.loads(line) for line in (tmp_path / "gpu" / "log.jsonl").read_text().splitlines()]
+    assert len(log) == 40 and np.mean([r["loss"] for r in log[-10:]]) < np.mean([r["loss"] for r in log[:10]])
+    assert (tmp_path / "gpu" / "final" / "model.safetensors").exists()

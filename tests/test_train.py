@@ -105,6 +105,32 @@ def test_killed_and_resumed_run_reaches_the_same_weights(target, store, tmp_path
     assert ckpt["data_position"] == 6 * cfg.batch_seqs
 
 
+def test_a_run_stopped_early_exports_its_latest_checkpoint(target, store, tmp_path):
+    from hyflash.train import export_latest
+
+    cfg = tiny_config(steps=6, ckpt_every=2, draft_vocab=16)
+    stopped = params(train(cfg, tmp_path, target, store, stop_at=4))  # the checkpoint of step 4 is the latest
+    with pytest.raises(HyflashError, match="no checkpoints"):
+        export_latest(tmp_path / "elsewhere", target)
+    exported = from_pretrained(export_latest(tmp_path, target), target)
+    for k, v in stopped.items():
+        assert torch.equal(exported.state_dict()[k], v.to(torch.bfloat16).to(exported.state_dict()[k].dtype)), k
+    assert torch.equal(exported.draft_vocab, train(cfg, tmp_path / "again", target, store, stop_at=1).draft_vocab)
+
+
+def test_recipe_fields_are_overridden_from_the_command_line():
+    from hyflash.train import apply_overrides
+
+    cfg = apply_overrides(tiny_config(), ["batch_seqs=32", "lr=3e-4", "target=some/dir", "kind_weights={\"packed\": 5}",
+                                          "device=auto"])
+    assert (cfg.batch_seqs, cfg.lr, cfg.target, cfg.kind_weights, cfg.device) == (32, 3e-4, "some/dir",
+                                                                                    {"packed": 5}, "auto")
+    with pytest.raises(HyflashError, match="unknown fields"):
+        apply_overrides(cfg, ["batch_size=3"])
+    with pytest.raises(HyflashError, match="FIELD=VALUE"):
+        apply_overrides(cfg, ["batch_seqs"])
+
+
 def test_no_resume_refuses_a_directory_with_checkpoints(target, store, tmp_path):
     cfg = tiny_config(steps=2, ckpt_every=1)
     train(cfg, tmp_path, target, store)
@@ -295,3 +321,26 @@ def test_kind_weights_repeat_sequences_of_a_kind_in_the_data_order():
         weighted_indices(store, idx, {"packed": 0, "document": 0, "chat": 0})
     with pytest.raises(HyflashError):
         TrainConfig(kind_weights={"packed": 1.5})
+
+
+def test_a_batch_without_supervised_anchors_has_zero_loss_not_nan(target):
+    """A crop can hold no token to learn (e.g. only a prompt). Its padded anchor must weigh nothing: the loss is 0
+    (not NaN, which the log would show) and gradients stay finite, also with a reduced vocabulary and distillation."""
+    from hyflash.drafter.model import new_drafter
+    from hyflash.train import draft_index, to_draft_vocab
+
+    store = FakeStore(target, n=2)
+    for item in store.items:
+        item["spans"] = []
+    cfg = tiny_config(kl_weight=0.9, draft_vocab=8)
+    drafter = new_drafter(DrafterConfig.from_dict({**cfg.drafter.to_dict(), "draft_vocab_size": 8}), target,
+                          dtype=torch.float32)
+    drafter.set_draft_vocab(torch.arange(8) + 10)  # token 0 (the padding's top-k id) lies outside it
+    b = to_draft_vocab(make_batch(store, [0, 1], cfg, np.random.default_rng(0), with_topk=True), draft_index(drafter))
+    assert not b["mask"].any()
+    logits = drafter.forward_train(b["features"].float(), b["input_ids"], b["anchors"], prev_ids=b["prev_ids"])
+    loss, _, count = block_loss(logits, b["targets"], b["mask"], position_weights(4, 4.0), 0.9, b["topk_vals"],
+                                b["topk_ids"], "l1", b["loss_mask"])
+    loss.backward()
+    assert loss.item() == 0.0 and count.sum() == 0
+    assert all(torch.isfinite(p.grad).all() for p in drafter.parameters() if p.grad is not None)

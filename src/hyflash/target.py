@@ -239,9 +239,10 @@ class Target:
     @classmethod
     def load(cls, target: str | os.PathLike | None = None, dtype: str | torch.dtype = "bf16",
              feature_layers: list[int] | None = None, threads: int | None = None,
-             fast: bool | None = False) -> "Target":
+             fast: bool | None = False, device: str | torch.device | None = None) -> "Target":
         """``fast``: run the target through our lean forward with a static KV cache (hyflash.fast; Llama, Gemma 3);
-        ``None``: the fast path where it covers the architecture, transformers' forward elsewhere."""
+        ``None``: the fast path where it covers the architecture, transformers' forward elsewhere (CPU only).
+        ``device``: where the model runs (default the CPU; e.g. ``cuda`` to compute training features online)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if threads:
@@ -251,8 +252,15 @@ class Target:
         try:
             tokenizer = AutoTokenizer.from_pretrained(path)
             model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype))
+            if model.dtype != resolve_dtype(dtype):  # a transformers version that does not know ``dtype=``
+                model = model.to(resolve_dtype(dtype))
         except OSError as e:
             raise HyflashError(f"could not load target {target!r}: {e}") from None
+        if device is not None and torch.device(device).type != "cpu":
+            if fast:
+                raise HyflashError("the fast path (our lean forward) runs on the CPU only")
+            model = model.to(device)
+            fast = False
         out = cls(model, tokenizer, name, feature_layers)
         if fast or (fast is None and _fast_supported(model)):
             out.use_fast_path()
@@ -354,6 +362,19 @@ class Target:
         if features:
             # hidden_states[0] is the embedding output; hidden_states[i + 1] is decoder layer i's output
             feats = torch.cat([out.hidden_states[i + 1][0] for i in self.feature_layers], dim=-1)
+        return TargetOutput(out.logits[0].float(), feats)
+
+    @torch.inference_mode()
+    def sequence_forward(self, ids: torch.Tensor, features: bool = True) -> TargetOutput:
+        """One whole sequence ([k]) from the start, without a cache: the plain model call every transformers
+        version has (how training features are made, on any device). Same values as ``forward`` on an empty
+        cache."""
+        ids = ids.reshape(1, -1).to(self.device)
+        if ids.shape[1] > self.max_context:
+            raise HyflashError(f"sequence of {ids.shape[1]} tokens exceeds the target's context window of "
+                               f"{self.max_context}")
+        out = self.model(input_ids=ids, use_cache=False, output_hidden_states=features)
+        feats = torch.cat([out.hidden_states[i + 1][0] for i in self.feature_layers], dim=-1) if features else None
         return TargetOutput(out.logits[0].float(), feats)
 
     @staticmethod

@@ -13,6 +13,9 @@ distillation term against the target's top-k distribution (DSpark's ‖p_d − p
 Run: ``hyflash train --recipe smollm2-hyflash --out runs/x`` or, on several processes,
 ``torchrun --nproc_per_node=2 -m hyflash.train --config recipes/smollm2-hyflash.json --out runs/x``.
 A run killed at any point resumes from its last checkpoint to the same weights as an uninterrupted run.
+On a GPU: ``hyflash train --recipe smollm2-hyflash-gpu --data SEQUENCES.jsonl --device cuda --out runs/x`` computes
+the target's features as it goes (``hyflash.data.online``) instead of reading a cache; ``--set FIELD=VALUE``
+overrides any recipe field; ``--export`` writes ``final/`` from the latest checkpoint of a run stopped early.
 """
 
 from __future__ import annotations
@@ -49,7 +52,8 @@ class TrainConfig:
     drafter: DrafterConfig = field(default_factory=DrafterConfig)  # saved as a nested dict
     # data
     target: str = "smollm2-135m"  # the target whose features are in the store (embedding + LM head come from it)
-    data: str = ""  # feature store directory
+    data: str = ""  # feature store directory, or a sequences JSONL whose features the target computes as it trains
+    online_topk: int = 32  # with a sequences JSONL: the target's top-k logits kept per token (distillation)
     seq_len: int = 2048  # training length: longer sequences are cropped at a random offset
     anchors_per_seq: int = 32
     batch_seqs: int = 8  # sequences per step per process
@@ -79,6 +83,7 @@ class TrainConfig:
     keep_checkpoints: int = 2
     eval_every: int = 250
     threads: int = 0  # torch CPU threads per process (0: torch's default)
+    device: str = "cpu"  # where the drafter (and an online target) runs: cpu | cuda | cuda:N | auto (cuda if present)
 
     def __post_init__(self):
         if isinstance(self.drafter, dict):
@@ -108,6 +113,20 @@ class TrainConfig:
         _atomic_write_text(Path(path), json.dumps(self.to_dict(), indent=2) + "\n")
 
 
+def apply_overrides(cfg: TrainConfig, overrides) -> TrainConfig:
+    """``cfg`` with fields set from ``FIELD=VALUE`` strings (VALUE parsed as JSON, else taken as a string)."""
+    d = cfg.to_dict()
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise HyflashError(f"--set expects FIELD=VALUE, got {item!r}")
+        try:
+            d[key] = json.loads(value)
+        except json.JSONDecodeError:
+            d[key] = value
+    return TrainConfig.from_dict(d)
+
+
 def load_recipe(name_or_path: str | os.PathLike) -> TrainConfig:
     """A recipe by name (``recipes/<name>.json``, looked up in ./recipes then the repository's) or a JSON path."""
     path = Path(name_or_path)
@@ -135,12 +154,34 @@ class FeatureStore(Protocol):
     def __getitem__(self, i: int) -> dict: ...
 
 
-def open_store(path: str) -> FeatureStore:
+def open_store(path: str, target=None, topk: int = 32) -> FeatureStore:
+    """A feature store directory (``hyflash.data.features``), or a sequences JSONL (``hyflash.data.sequences``)
+    whose features ``target`` computes when the loop reads them (``hyflash.data.online``: for GPUs)."""
     from hyflash.data.features import FeatureStore as Store
 
     if not path or not Path(path).exists():
         raise HyflashError(f"feature store not found: {path!r} (set `data` in the recipe)")
+    if Path(path).is_file():
+        if target is None:
+            raise HyflashError(f"{path} is a sequences file: its features need the target")
+        from hyflash.data.online import OnlineFeatureStore
+
+        return OnlineFeatureStore(path, target, topk=topk)
     return Store(path)
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto``: the first CUDA device if there is one, else the CPU. A CUDA device that is absent is an error."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise HyflashError(f"device {name!r} asked for, but this torch sees no CUDA device")
+    return device
+
+
+def on_device(b: dict, device: torch.device) -> dict:
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in b.items()}
 
 
 def check_store(store, target, cfg: TrainConfig) -> None:
@@ -288,7 +329,8 @@ def block_loss(logits, targets, mask, weights, kl_weight=0.0, topk_vals=None, to
     if kl_weight > 0:
         per = (1 - kl_weight) * per + kl_weight * distill_term(logits, lse, topk_vals, topk_ids, distill)
     w = weights.to(per.device) * (mask if loss_mask is None else loss_mask)
-    loss = (per * w).sum() / w.sum().clamp_min(1e-9)
+    # padded anchors and unsupervised slots weigh 0; their terms may be undefined (a batch without any anchor)
+    loss = (per.masked_fill(w == 0, 0.0) * w).sum() / w.sum().clamp_min(1e-9)
     correct = ((logits.argmax(-1) == targets) & mask).sum((0, 1))
     return loss, correct, mask.sum((0, 1))
 
@@ -311,7 +353,8 @@ def to_draft_vocab(b: dict, index_of: torch.Tensor) -> dict:
     b["loss_mask"] = b["mask"] & (b["targets"] >= 0)
     if b.get("topk_ids") is not None:
         ids = index_of[b["topk_ids"]]
-        b["topk_vals"] = b["topk_vals"].float().masked_fill(ids < 0, float("-inf"))
+        outside = ids < 0  # a row with no entry inside stays finite (it is left out of the loss below)
+        b["topk_vals"] = b["topk_vals"].float().masked_fill(outside & ~outside.all(-1, keepdim=True), float("-inf"))
         b["topk_ids"] = ids.clamp_min(0)
         b["loss_mask"] &= (ids >= 0).any(-1)
     return b
@@ -417,7 +460,7 @@ def draft_index(drafter: HyFlashDrafter) -> torch.Tensor | None:
     if drafter.draft_vocab is None:
         return None
     index_of = torch.full((drafter.head_weight.shape[0],), -1, dtype=torch.long)
-    index_of[drafter.draft_vocab] = torch.arange(len(drafter.draft_vocab))
+    index_of[drafter.draft_vocab.cpu()] = torch.arange(len(drafter.draft_vocab))  # batches are made on the CPU
     return index_of
 
 
@@ -429,17 +472,19 @@ def evaluate(drafter: HyFlashDrafter, store, val_idx, cfg: TrainConfig) -> dict:
     was_training = drafter.training
     drafter.eval()
     S = cfg.drafter.block_size
-    correct, count, prefix, anchors = torch.zeros(S), torch.zeros(S), 0.0, 0
+    correct, count, prefix, anchors = torch.zeros(S), torch.zeros(S), 0.0, 0  # sums on the CPU
     for k in range(0, len(val_idx), cfg.batch_seqs):
         ids = [int(i) for i in val_idx[k:k + cfg.batch_seqs]]
         b = make_batch(store, ids, cfg, np.random.default_rng([cfg.seed, 99, k]), with_topk=False)
         if drafter.draft_vocab is not None:
             b = to_draft_vocab(b, draft_index(drafter))
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+        device = drafter.head_weight.device
+        b = on_device(b, device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
             logits = drafter.forward_train(b["features"], b["input_ids"], b["anchors"], prev_ids=b["prev_ids"])
         ok = (logits.argmax(-1) == b["targets"]) & b["mask"]
-        correct += ok.sum((0, 1)).float()
-        count += b["mask"].sum((0, 1)).float()
+        correct += ok.sum((0, 1)).float().cpu()
+        count += b["mask"].sum((0, 1)).float().cpu()
         real = b["mask"][..., 0]  # padded anchors have no supervised slot
         prefix += float(accepted_prefix(logits, b["targets"], b["mask"])[real].sum())
         anchors += int(real.sum())
@@ -522,17 +567,20 @@ def train(cfg: TrainConfig, out_dir, target=None, store=None, resume: bool = Tru
         raise HyflashError(f"{out_dir} already holds checkpoints; resume it or choose another output directory")
 
     # ---- data, target, model, optimiser
-    store = store if store is not None else open_store(cfg.data)
+    device = resolve_device(cfg.device)
+    if world > 1 and device.type == "cuda":
+        raise HyflashError("multi-process training runs on CPUs (gloo); use one process per machine with a GPU")
     if target is None:
         from hyflash.target import Target
 
-        target = Target.load(cfg.target, dtype="bf16", feature_layers=cfg.drafter.target_layers)
+        target = Target.load(cfg.target, dtype="bf16", feature_layers=cfg.drafter.target_layers, device=device)
+    store = store if store is not None else open_store(cfg.data, target, cfg.online_topk)
     check_store(store, target, cfg)
     train_idx, val_idx = split_indices(len(store), cfg)
     order_idx = weighted_indices(store, train_idx, cfg.kind_weights)
     torch.manual_seed(cfg.seed)
     dcfg = DrafterConfig.from_dict({**cfg.drafter.to_dict(), "draft_vocab_size": cfg.draft_vocab})
-    drafter = new_drafter(dcfg, target, dtype=torch.float32).train()
+    drafter = new_drafter(dcfg, target, dtype=torch.float32).to(device).train()
     if cfg.init_from and not found:
         copied = init_from_drafter(drafter, cfg.init_from, target)
         if main:
@@ -582,7 +630,8 @@ def train(cfg: TrainConfig, out_dir, target=None, store=None, resume: bool = Tru
         b = make_batch(store, ids, cfg, rng, with_topk=cfg.kl_weight > 0)
         if drafter.draft_vocab is not None:
             b = to_draft_vocab(b, index_of)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+        b = on_device(b, device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
             logits = model(b["features"], b["input_ids"], b["anchors"], b["prev_ids"])  # [B, n, S, V]
         loss, correct, count = block_loss(logits, b["targets"], b["mask"], weights, cfg.kl_weight,
                                           b["topk_vals"], b["topk_ids"], cfg.distill, b.get("loss_mask"))
@@ -632,6 +681,29 @@ def train(cfg: TrainConfig, out_dir, target=None, store=None, resume: bool = Tru
     return drafter
 
 
+def export_latest(out_dir, target=None) -> Path:
+    """Write ``out_dir/final`` from the run's latest checkpoint: the drafter of a run stopped before its last step
+    (e.g. at the end of a time budget), usable by ``hyflash generate`` as it is. Returns the export directory."""
+    out_dir = Path(out_dir)
+    found = checkpoints(out_dir)
+    if not found:
+        raise HyflashError(f"{out_dir} holds no checkpoints to export")
+    ckpt = torch.load(found[-1], map_location="cpu", weights_only=False)  # our own file (holds RNG states)
+    cfg = TrainConfig.from_dict(ckpt["config"])
+    if target is None:
+        from hyflash.target import Target
+
+        target = Target.load(cfg.target, dtype="bf16", feature_layers=cfg.drafter.target_layers)
+    target.feature_layers = list(cfg.drafter.target_layers)
+    dcfg = DrafterConfig.from_dict({**cfg.drafter.to_dict(), "draft_vocab_size": cfg.draft_vocab})
+    drafter = new_drafter(dcfg, target, dtype=torch.float32)
+    drafter.load_state_dict(ckpt["model"])
+    save_pretrained(drafter, out_dir / "final", dtype=torch.bfloat16)
+    if (out_dir / LOG_NAME).exists():
+        plot_losses(out_dir)
+    return out_dir / "final"
+
+
 def plot_losses(out_dir) -> Path | None:
     """out_dir/loss.png: training loss per step (and held-out τ̂) from log.jsonl."""
     try:
@@ -664,19 +736,33 @@ def plot_losses(out_dir) -> Path | None:
 
 # ---------------------------------------------------------------------------------------------------- CLI
 @click.command("train")
-@click.option("--recipe", "--config", "recipe", required=True,
+@click.option("--recipe", "--config", "recipe", default=None,
               help="Recipe name (e.g. smollm2-hyflash) or path to a TrainConfig JSON.")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Output directory.")
 @click.option("--steps", type=int, default=None, help="Override the recipe's number of steps.")
-@click.option("--data", default=None, help="Override the recipe's feature store directory.")
+@click.option("--data", default=None,
+              help="Override the recipe's data: a feature store directory, or a sequences JSONL (features computed "
+                   "online by the target: for GPUs).")
 @click.option("--init-from", default=None, type=click.Path(file_okay=False),
               help="Override the recipe's init_from: a saved drafter to continue training from.")
 @click.option("--threads", type=int, default=None, help="Override the recipe's torch CPU threads per process.")
+@click.option("--device", default=None,
+              help="Override the recipe's device: cpu, cuda, cuda:N or auto (a GPU if there is one).")
+@click.option("--set", "overrides", multiple=True, metavar="FIELD=VALUE",
+              help="Override any recipe field, e.g. --set batch_seqs=32 --set lr=3e-4 (VALUE is read as JSON, else "
+                   "as a string).")
 @click.option("--resume/--no-resume", default=True, show_default=True,
               help="Continue from the latest checkpoint in --out (--no-resume refuses a directory that has one).")
-def train_command(recipe, out, steps, data, init_from, threads, resume):
+@click.option("--export", "export_only", is_flag=True,
+              help="Train nothing: write --out/final from the run's latest checkpoint (a run stopped early).")
+def train_command(recipe, out, steps, data, init_from, threads, device, overrides, resume, export_only):
     """Train a drafter from a recipe; resumable; several processes under torchrun."""
-    cfg = load_recipe(recipe)
+    if export_only:
+        click.echo(f"exported {export_latest(out)}")
+        return
+    if recipe is None:
+        raise click.UsageError("--recipe is required (except with --export)")
+    cfg = apply_overrides(load_recipe(recipe), overrides)
     if steps is not None:
         cfg.steps = steps
     if data is not None:
@@ -685,6 +771,8 @@ def train_command(recipe, out, steps, data, init_from, threads, resume):
         cfg.init_from = init_from
     if threads is not None:
         cfg.threads = threads
+    if device is not None:
+        cfg.device = device
     train(cfg, out, resume=resume)
 
 

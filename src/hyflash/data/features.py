@@ -71,7 +71,7 @@ def shard_path(out: Path, kind: str, index: int) -> Path:
 @torch.inference_mode()
 def sequence_outputs(target: Target, ids: list[int], topk: int):
     """(features [T, F] model dtype, labels [T] int32, top-k values [T, k] fp16, top-k ids [T, k] int32)."""
-    out = target.forward(torch.tensor(ids, dtype=torch.long), target.new_cache(len(ids)), features=True)
+    out = target.sequence_forward(torch.tensor(ids, dtype=torch.long), features=True)
     logits = out.logits  # [T, vocab] fp32 copy of the model-dtype logits
     vals, top = logits.topk(topk, dim=-1)  # [T, k], sorted: top[:, 0] is the argmax
     labels = logits.argmax(dim=-1)  # first index on ties, as greedy decoding picks

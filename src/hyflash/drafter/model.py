@@ -321,7 +321,7 @@ def save_pretrained(drafter: HyFlashDrafter, path, dtype: torch.dtype | None = t
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    state = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).contiguous()
+    state = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).contiguous().cpu()
              for k, v in drafter.state_dict().items()}
     tmp = path / (WEIGHTS_NAME + ".tmp")
     save_file(state, str(tmp), metadata={"format": "pt", "hyflash": "drafter"})
