@@ -555,7 +555,7 @@ def train(cfg: TrainConfig, out_dir, target=None, store=None, resume: bool = Tru
     """Train a drafter for ``cfg.steps`` steps into ``out_dir`` (config, log.jsonl, checkpoints/, final/, loss.png).
 
     ``target``/``store`` default to ``Target.load(cfg.target)`` and the feature store at ``cfg.data``. With
-    ``resume`` a run continues from its latest checkpoint. ``stop_at`` ends the run after that step as if it were
+    ``resume`` a run continues from its latest checkpoint. ``stop_at`` ends the run after that step (checkpointed) as if it were
     killed there (no final export). Returns the drafter (fp32)."""
     out_dir = Path(out_dir)
     rank, world = setup_distributed()
@@ -661,7 +661,7 @@ def train(cfg: TrainConfig, out_dir, target=None, store=None, resume: bool = Tru
             bar.set_postfix_str(f"loss {rec['loss']:.3f} acc " + " ".join(f"{a * 100:.0f}" for a in acc)
                                 + (f" | val τ̂ {rec['val_tau']:.2f}" if "val_tau" in rec else ""))
             bar.update(1)
-            if step % cfg.ckpt_every == 0 or step == cfg.steps:
+            if step % cfg.ckpt_every == 0 or step == cfg.steps or step == stop_at:
                 save_checkpoint(out_dir, {
                     "step": step, "data_position": position, "elapsed": elapsed, "model": drafter.state_dict(),
                     "optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "rng": rng_states(),
@@ -753,9 +753,11 @@ def plot_losses(out_dir) -> Path | None:
                    "as a string).")
 @click.option("--resume/--no-resume", default=True, show_default=True,
               help="Continue from the latest checkpoint in --out (--no-resume refuses a directory that has one).")
+@click.option("--stop-at", type=int, default=None,
+              help="Stop after this step as if killed (a checkpoint is written there; rerun without it to go on).")
 @click.option("--export", "export_only", is_flag=True,
               help="Train nothing: write --out/final from the run's latest checkpoint (a run stopped early).")
-def train_command(recipe, out, steps, data, init_from, threads, device, overrides, resume, export_only):
+def train_command(recipe, out, steps, data, init_from, threads, device, overrides, resume, stop_at, export_only):
     """Train a drafter from a recipe; resumable; several processes under torchrun."""
     if export_only:
         click.echo(f"exported {export_latest(out)}")
@@ -773,7 +775,9 @@ def train_command(recipe, out, steps, data, init_from, threads, device, override
         cfg.threads = threads
     if device is not None:
         cfg.device = device
-    train(cfg, out, resume=resume)
+    if stop_at is not None and stop_at < 1:
+        raise click.UsageError("--stop-at must be >= 1")
+    train(cfg, out, resume=resume, stop_at=stop_at)
 
 
 if __name__ == "__main__":
