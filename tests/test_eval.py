@@ -272,3 +272,38 @@ def test_paper_claims_check_the_bars_on_hand_made_numbers():
 
 def _bucket_lo(b):
     return S.parse_bucket(b)[0]
+
+
+def test_training_report_compares_runs_at_equal_steps_on_fake_logs(tmp_path):
+    """FAKE NUMBERS (marked so in the report): two runs of one schedule, one stopped early; the table reads τ̂ at the
+    asked step from each log, names what each recipe changes, counts parameters from the config."""
+    from hyflash.evaluation.training import build_training_report
+    from hyflash.train import load_recipe
+
+    runs = {"hyflash": (load_recipe("smollm2-hyflash"), [(250, 1.30), (500, 1.42), (750, 1.50)]),
+            "depth1": (load_recipe("smollm2-hyflash-depth1"), [(250, 1.25), (500, 1.35)]),
+            "gdn": (load_recipe("smollm2-hyflash-gdn"), [(250, 1.2)])}
+    dirs = []
+    for name, (cfg, evals) in runs.items():
+        d = tmp_path / "runs" / name
+        d.mkdir(parents=True)
+        cfg.save(d / "train_config.json")
+        with open(d / "log.jsonl", "w") as f:
+            for step in range(1, evals[-1][0] + 1):
+                rec = {"step": step, "loss": 1.0, "elapsed": 3.6 * step}
+                for s, t in evals:
+                    if s == step:
+                        rec.update(val_tau=t, val_anchors=1536)
+                f.write(json.dumps(rec) + "\n")
+        dirs.append(d)
+    text = build_training_report(dirs, tmp_path / "report", 500, "test", fake=True).read_text()
+    assert "FAKE NUMBERS" in text
+    row = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in text.splitlines()
+           if line.startswith("| ") and not line.startswith("| run")}
+    assert row["hyflash"][0] == "—" and row["hyflash"][2] == "1.420" and row["hyflash"][5] == "1.500 (750/2000)"
+    assert row["depth1"][0] == "num_layers 1" and row["depth1"][2] == "1.350" and row["depth1"][3] == "0.83×"
+    assert row["depth1"][4] == "0.50"  # 3.6 s per fake step x 500 steps
+    assert row["gdn"][0] == "memory gdn" and row["gdn"][2] == "not reached"
+    assert float(row["depth1"][1][:-1]) < float(row["hyflash"][1][:-1]) < float(row["gdn"][1][:-1])
+    with pytest.raises(HyflashError, match="not a training run"):
+        build_training_report([tmp_path], tmp_path / "x", 500, "test")

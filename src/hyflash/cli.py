@@ -1,4 +1,4 @@
-"""Command line: ``hyflash generate | train | eval | report | budget``."""
+"""Command line: ``hyflash generate | train | eval | report | training-report | budget``."""
 
 from __future__ import annotations
 
@@ -151,6 +151,18 @@ def report_command(runs, out):
     from hyflash.evaluation.report import build_report
 
     click.echo(str(build_report(list(runs), out)))
+
+
+@cli.command("training-report")
+@click.argument("runs", nargs=-1, required=True)
+@click.option("--at-step", "step", type=int, required=True,
+              help="Compare held-out τ̂ at this step (the runs share a schedule; some may have stopped early).")
+@click.option("--out", required=True, help="Report folder (REPORT.md and plots).")
+def training_report_command(runs, step, out):
+    """Ablations from `hyflash train` run folders: held-out τ̂ at equal steps, parameters, what each changes."""
+    from hyflash.evaluation.training import build_training_report
+
+    click.echo(str(build_training_report(list(runs), out, step, "hyflash training-report " + " ".join(sys.argv[2:]))))
 
 
 @cli.command("quantize")
