@@ -6,6 +6,14 @@
 #   bash scripts/gpu_train.sh train SECONDS    # join + convert the target, time 12 steps, train to fit SECONDS
 # Results land in $OUT/hyflash-gpu/ (or ./runs/hyflash-gpu without $OUT): final/ (the drafter, bf16 safetensors),
 # log.jsonl, loss.png, train_config.json and the exact command, to be evaluated on the CPU with bench_mtbench.py.
+#
+# With the device tool (15 minutes of device time in all, start-up included; one call at most 600 s; a call carries
+# at most 64 MiB of ignored files; the machine stays warm ~30 s between calls, so issue the second call at once):
+#   1. bash scripts/device_kit.sh data/sequences.jsonl              (here, once)
+#   2. run  "bash scripts/gpu_train.sh check"         carry [.device/pylib, .device/sequences.jsonl, .device/gguf.part0]
+#   3. run  "bash scripts/gpu_train.sh train 500"     carry [.device/gguf.part1], timeout_s 600
+#   4. copy $OUT/hyflash-gpu/final next to the shipped drafter's stages, then on the CPU:
+#      python benchmarks/bench_mtbench.py --drafters "none,ngram,auto,new=runs/hyflash-gpu/final" --limit 80
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}:$PWD/.device/pylib"
