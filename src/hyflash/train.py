@@ -468,11 +468,11 @@ def draft_index(drafter: HyFlashDrafter) -> torch.Tensor | None:
 @torch.no_grad()
 def evaluate(drafter: HyFlashDrafter, store, val_idx, cfg: TrainConfig) -> dict:
     """Per-slot accuracy and τ̂ = 1 + mean over anchors of the longest all-correct prefix of argmax drafts, on the
-    held-out sequences with fixed anchors."""
+    held-out sequences with fixed anchors, with its standard error over those anchors (``val_tau_se``)."""
     was_training = drafter.training
     drafter.eval()
     S = cfg.drafter.block_size
-    correct, count, prefix, anchors = torch.zeros(S), torch.zeros(S), 0.0, 0  # sums on the CPU
+    correct, count, prefix, prefix_sq, anchors = torch.zeros(S), torch.zeros(S), 0.0, 0.0, 0  # sums on the CPU
     for k in range(0, len(val_idx), cfg.batch_seqs):
         ids = [int(i) for i in val_idx[k:k + cfg.batch_seqs]]
         b = make_batch(store, ids, cfg, np.random.default_rng([cfg.seed, 99, k]), with_topk=False)
@@ -486,11 +486,15 @@ def evaluate(drafter: HyFlashDrafter, store, val_idx, cfg: TrainConfig) -> dict:
         correct += ok.sum((0, 1)).float().cpu()
         count += b["mask"].sum((0, 1)).float().cpu()
         real = b["mask"][..., 0]  # padded anchors have no supervised slot
-        prefix += float(accepted_prefix(logits, b["targets"], b["mask"])[real].sum())
+        accepted = accepted_prefix(logits, b["targets"], b["mask"])[real].double()
+        prefix += float(accepted.sum())
+        prefix_sq += float((accepted ** 2).sum())
         anchors += int(real.sum())
     drafter.train(was_training)
     acc = (correct / count.clamp_min(1)).tolist()
-    return {"val_acc": [round(a, 4) for a in acc], "val_tau": round(1 + prefix / max(anchors, 1), 4),
+    mean = prefix / max(anchors, 1)
+    se = math.sqrt(max(prefix_sq / max(anchors, 1) - mean ** 2, 0.0) / max(anchors - 1, 1))  # over anchors
+    return {"val_acc": [round(a, 4) for a in acc], "val_tau": round(1 + mean, 4), "val_tau_se": round(se, 4),
             "val_anchors": anchors}
 
 

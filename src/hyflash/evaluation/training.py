@@ -50,6 +50,7 @@ def run_row(name: str, cfg: dict, log: list[dict], step: int) -> dict:
     return {"name": name, **{f: cfg["drafter"].get(f) for f in ABLATION_FIELDS},
             "params": trainable_parameters(cfg), "schedule_steps": cfg["steps"], "steps_run": log[-1]["step"] if log else 0,
             "val_tau": None if at is None else at["val_tau"], "val_anchors": None if at is None else at["val_anchors"],
+            "val_tau_se": None if at is None else at.get("val_tau_se"),  # logged by runs since 2026-11-30
             "hours": None if at is None else at["elapsed"] / 3600,
             "last_step": None if last is None else last["step"], "last_val_tau": None if last is None else last["val_tau"],
             "curve": [(r["step"], r["val_tau"]) for r in evals],
@@ -85,6 +86,8 @@ def training_markdown(rows: list[dict], step: int, command: str, fake: bool = Fa
         if r["val_tau"] is not None and base["val_tau"] is not None and base["val_tau"] > 1:
             ratio = f"{(r['val_tau'] - 1) / (base['val_tau'] - 1):.2f}×"
         tau = "not reached" if r["val_tau"] is None else f"{r['val_tau']:.3f}"
+        if r["val_tau_se"] is not None:
+            tau += f" ± {r['val_tau_se']:.3f}"
         hours = "–" if r["hours"] is None else f"{r['hours']:.2f}"
         last = "–" if r["last_step"] is None else f"{r['last_val_tau']:.3f} ({r['last_step']}/{r['schedule_steps']})"
         lines.append(f"| {r['name']} | {_differs(r, base)} | {r['params'] / 1e6:.2f}M | {tau} | {ratio} | {hours} | "
