@@ -1,6 +1,6 @@
 """Target features computed while training, instead of read from a cache on disk.
 
-A disk cache (``hyflash.data.features``) costs 6.6 KB per token for SmolLM2 (13 GB for our 2M tokens): right for
+A disk cache (``hyflash.data.features``) costs 5.96 KB per token for SmolLM2 (13 GB for our 2M tokens): right for
 a CPU, where the target's forward is most of a step's cost and is paid once. On a GPU the target's forward over a
 2K-token sequence takes milliseconds, and the cache would have to be moved to the machine; there, the tokenised
 sequences (a few MB) are all a training run needs. ``OnlineFeatureStore`` reads them and runs the target on each
