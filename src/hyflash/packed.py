@@ -1,30 +1,69 @@
-"""Weights packed once for oneDNN, for inference on CPU (the target's fast path and the drafter)."""
+"""Weights packed once for fast inference on CPU (the target's fast path and the drafter).
+
+Two layouts, chosen once per weight: on CPUs with AMX, our kernel's tile layout (``hyflash.kernels``), used for the
+1-16 rows that decoding, verification and drafting multiply (larger inputs, i.e. prefill, take torch's own matmul);
+elsewhere oneDNN's blocked layout for every input.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from hyflash import kernels
+
+AMX_MAX_ROWS = 16
+
 
 class PackedLinear:
-    """``x @ w.T`` with ``w`` reordered once into oneDNN's blocked layout (bf16 on CPU), which reads the weight
-    1.4-1.7x faster than an unpacked bf16 matmul on this kind of CPU (measured for SmolLM2's shapes, M = 1 and 8). The
-    values are those of a bf16 matmul up to rounding (oneDNN accumulates in another order). Inference only (no
-    autograd); anything else (fp32/fp64, no oneDNN) falls back to the plain matmul."""
+    """``x @ w.T`` for a bf16 weight on CPU, packed once. Values are those of a bf16 matmul up to rounding (fp32
+    accumulation in another order). Inference only (no autograd); anything else (fp32/fp64, another device, shapes
+    the kernels do not take) falls back to the plain matmul.
+
+    Measured for SmolLM2's shapes on this project's CPU (2 cores with AMX): oneDNN's packed layout reads a weight
+    1.4-1.7x faster than an unpacked bf16 matmul at 1 and 8 rows; our AMX kernel is 1.2-3.5x faster again at 1-16 rows
+    and nearly flat in the row count (``benchmarks/bench_kernels.py``)."""
 
     def __init__(self, w: torch.Tensor, pack: bool = True):
-        self.w, self.packed = w.detach(), None
-        self.out_features = w.shape[0]
-        if pack and w.dtype == torch.bfloat16 and w.device.type == "cpu" and torch.backends.mkldnn.is_available():
+        self.w, self.packed, self.amx = w.detach(), None, None
+        self.out_features, self.in_features = w.shape
+        if not (pack and w.dtype == torch.bfloat16 and w.device.type == "cpu"):
+            return
+        module = kernels.amx() if self.out_features % 16 == 0 and self.in_features % 32 == 0 else None
+        if module is not None:
+            self.amx = module.pack(self.w)
+            self._amx_linear = module.linear
+        elif torch.backends.mkldnn.is_available():
             try:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 1)
             except (RuntimeError, AttributeError):  # a torch build without the op: keep the plain matmul
                 self.packed = None
 
+    @property
+    def is_packed(self) -> bool:
+        """Whether the weight was packed (for our AMX kernel or for oneDNN); False: the plain matmul every time."""
+        return self.amx is not None or self.packed is not None
+
+    @property
+    def kernel(self) -> str:
+        return "amx" if self.amx is not None else "onednn" if self.packed is not None else "plain"
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is None or x.dtype != torch.bfloat16:
+        if x.dtype != torch.bfloat16 or x.device.type != "cpu":
             return x @ self.w.t()
-        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), self.packed, None, "none", [], "")
+        if self.amx is not None:
+            if x.dim() == 2:  # the common case, kept short: this runs ~150 times per decoding step
+                if 0 < x.shape[0] <= AMX_MAX_ROWS:
+                    return self._amx_linear(x.contiguous(), self.amx)
+                return x @ self.w.t()
+            x2 = x.reshape(-1, x.shape[-1])
+            if not 0 < x2.shape[0] <= AMX_MAX_ROWS:
+                return x @ self.w.t()
+            return self._amx_linear(x2.contiguous(), self.amx).view(*x.shape[:-1], self.out_features)
+        x2 = x.reshape(-1, x.shape[-1])
+        if self.packed is None:
+            return x @ self.w.t()
+        y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, None, "none", [], "")
         return y.view(*x.shape[:-1], self.out_features)
 
 
@@ -35,7 +74,7 @@ def pack_linears(module: nn.Module) -> int:
     for m in module.modules():
         if isinstance(m, nn.Linear) and m.bias is None and m.weight.dtype == torch.bfloat16:
             packed = PackedLinear(m.weight)
-            if packed.packed is not None:
+            if packed.is_packed:
                 m.forward = packed  # an instance attribute: nn.Module.__call__ finds it before the class's forward
                 n += 1
     return n

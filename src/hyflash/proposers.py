@@ -97,7 +97,7 @@ class HyFlashProposer:
         if tree < 0 or branching < 1:
             raise HyflashError(f"tree must be >= 0 nodes and branching >= 1, got {tree} and {branching}")
         self.drafter = drafter.eval()
-        self.drafter.pack_for_inference()  # bf16 on CPU: weights in oneDNN's layout (hyflash.packed)
+        self.drafter.pack_for_inference()  # bf16 on CPU: weights packed once (hyflash.packed)
         self.block_size = drafter.config.block_size
         self.seed = seed
         # Adaptive block length: keep drafted slots while the product of the drafter's probabilities of its own

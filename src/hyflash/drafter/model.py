@@ -202,7 +202,7 @@ class HyFlashDrafter(nn.Module):
         return F.linear(self.norm(h), w.to(h.dtype))
 
     def pack_for_inference(self) -> int:
-        """Pack the LM head's (and the causal head's) bf16 weights once for oneDNN (``hyflash.packed``): a drafting
+        """Pack the LM head's (and the causal head's) bf16 weights once (``hyflash.packed``): a drafting
         round reads them faster on CPU. The layers' weights are packed, fused, by the runtime (``state.DrafterState``)
         and are not packed here a second time. For inference with fixed weights; ``unpack`` undoes it. Returns how
         many matrices were packed."""
@@ -212,7 +212,7 @@ class HyFlashDrafter(nn.Module):
                 if m is not None)
         w = self.head_weight if self.draft_vocab is None else self.draft_head_weight
         head = PackedLinear(w) if w.dtype == torch.bfloat16 else None
-        self._packed_head = head if head is not None and head.packed is not None else None
+        self._packed_head = head if head is not None and head.is_packed else None
         return n + (self._packed_head is not None)
 
     def unpack(self) -> None:

@@ -1,0 +1,114 @@
+// y = x @ w.T for bf16 on CPUs with AMX (Intel Sapphire Rapids and later), for the few rows (<= 16) that a
+// decoding step, a verification block or a drafter pass multiplies. Built at first use by hyflash.kernels.
+//
+// Why: oneDNN's bf16 matmul costs 20-80 us a call at these sizes, most of it fixed overhead, so a step of a
+// 135M-parameter model reads its weights at ~11 GB/s. Here the weight is reordered once into AMX's B-tile layout
+// ([N/16][K/2][16][2]: 16 output columns x a pair of k per 4 bytes, 64 bytes a tile row) and each call streams it
+// through TDPBF16PS once, with x's rows as the A tile: the cost barely grows from 1 row to 16, so verifying a block
+// of drafted tokens costs about what one token does. Accumulation is fp32, the result is rounded to bf16 once.
+#include <torch/extension.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#include <ATen/Parallel.h>
+
+namespace {
+
+constexpr long kArchReqXcompPerm = 0x1023;  // arch_prctl: ask the kernel for the AMX tile state
+constexpr long kXfeatureXtiledata = 18;
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles: 0-3 accumulators (M x 16 fp32 each), 4 the rows of x (M x 32 bf16), 5-7 weight tiles (16 x 32 bf16).
+void configure(int64_t M) {
+  TileConfig cfg;
+  for (int t = 0; t < 5; ++t) { cfg.rows[t] = static_cast<uint8_t>(M); cfg.colsb[t] = 64; }
+  for (int t = 5; t < 8; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+  _tile_loadconfig(&cfg);
+}
+
+// fp32 rows [M x 16*nb] (stride 64 floats) -> bf16 output columns col..col+16*nb of y (stride N)
+inline void store_bf16(const float* acc, int64_t M, int nb, at::BFloat16* y, int64_t N) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int b = 0; b < nb; ++b) {
+      __m512 v = _mm512_loadu_ps(acc + m * 64 + b * 16);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * N + b * 16), (__m256i)_mm512_cvtneps_pbh(v));
+    }
+}
+
+}  // namespace
+
+bool init() {  // true when this process may use AMX tiles
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+}
+
+torch::Tensor pack(torch::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kBFloat16, "pack: a 2-D bf16 weight");
+  const int64_t N = w.size(0), K = w.size(1);
+  TORCH_CHECK(N % 16 == 0 && K % 32 == 0, "pack: out_features % 16 and in_features % 32 must be 0");
+  return w.contiguous().view({N / 16, 16, K / 2, 2}).permute({0, 2, 1, 3}).contiguous();
+}
+
+torch::Tensor linear(torch::Tensor x, torch::Tensor packed) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.is_contiguous(), "linear: contiguous 2-D bf16 x");
+  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * 16;
+  TORCH_CHECK(M >= 1 && M <= 16, "linear: 1 to 16 rows");
+  TORCH_CHECK(packed.size(1) * 2 == K, "linear: x has ", K, " columns, the weight ", packed.size(1) * 2);
+  auto y = torch::empty({M, N}, x.options());
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+  auto* yp = y.data_ptr<at::BFloat16>();
+  const int64_t blocks = N / 16, groups = (blocks + 3) / 4, bs = K * 16;  // bs: elements per 16-column block
+  const int64_t xs = K * 2;                                              // bytes per row of x
+  // torch's own thread pool (torch.set_num_threads); tile configuration is per thread, so per chunk
+  at::parallel_for(0, groups, 1, [&](int64_t first, int64_t last) {
+    alignas(64) float acc[16 * 64];
+    configure(M);
+    for (int64_t g = first; g < last; ++g) {
+      const int64_t b0 = g * 4;
+      const uint16_t* wg = wp + b0 * bs;
+      if (b0 + 4 <= blocks) {  // four column blocks share each load of x
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        for (int64_t k = 0; k < K; k += 32) {
+          _tile_loadd(4, xp + k, xs);
+          _tile_loadd(5, wg + k * 16, 64);
+          _tile_dpbf16ps(0, 4, 5);
+          _tile_loadd(6, wg + bs + k * 16, 64);
+          _tile_dpbf16ps(1, 4, 6);
+          _tile_loadd(7, wg + 2 * bs + k * 16, 64);
+          _tile_dpbf16ps(2, 4, 7);
+          _tile_loadd(5, wg + 3 * bs + k * 16, 64);
+          _tile_dpbf16ps(3, 4, 5);
+        }
+        _tile_stored(0, acc, 256); _tile_stored(1, acc + 16, 256);
+        _tile_stored(2, acc + 32, 256); _tile_stored(3, acc + 48, 256);
+        store_bf16(acc, M, 4, yp + b0 * 16, N);
+      } else {  // the last 1-3 blocks
+        for (int64_t b = b0; b < blocks; ++b) {
+          _tile_zero(0);
+          for (int64_t k = 0; k < K; k += 32) {
+            _tile_loadd(4, xp + k, xs);
+            _tile_loadd(5, wp + b * bs + k * 16, 64);
+            _tile_dpbf16ps(0, 4, 5);
+          }
+          _tile_stored(0, acc, 256);
+          store_bf16(acc, M, 1, yp + b * 16, N);
+        }
+      }
+    }
+    _tile_release();
+  });
+  return y;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("init", &init, "ask the OS for AMX tile state; true when granted");
+  m.def("pack", &pack, "reorder a bf16 weight [N, K] into AMX B tiles");
+  m.def("linear", &linear, "x [M<=16, K] bf16 @ w.T from pack(w) -> [M, N] bf16");
+}

@@ -1,0 +1,89 @@
+"""Our AMX matmul kernel (hyflash.kernels, csrc/amx_linear.cpp): bf16 x @ w.T for 1-16 rows on CPUs with AMX.
+Skipped where the kernel cannot run; the fallback that every machine takes is tested here too."""
+
+import pytest
+import torch
+
+from hyflash import kernels
+from hyflash.packed import AMX_MAX_ROWS, PackedLinear
+
+needs_amx = pytest.mark.skipif(kernels.amx() is None, reason="no AMX kernel on this machine (CPU, compiler or OS)")
+
+
+def _exact(x, w):
+    return x.double() @ w.double().t()
+
+
+@needs_amx
+@pytest.mark.parametrize("out_features,in_features", [(16, 32), (48, 64), (80, 96), (1728, 576), (576, 1536)])
+@pytest.mark.parametrize("rows", [1, 2, 7, 13, 16])
+def test_amx_matmul_is_a_bf16_rounding_of_the_exact_product(out_features, in_features, rows):
+    g = torch.Generator().manual_seed(out_features * 100 + rows)
+    w = torch.randn(out_features, in_features, generator=g).bfloat16()
+    x = torch.randn(rows, in_features, generator=g).bfloat16()
+    lin = PackedLinear(w)
+    assert lin.kernel == "amx"
+    got, exact = lin(x), _exact(x, w)
+    assert got.shape == (rows, out_features) and got.dtype == torch.bfloat16
+    # fp32 accumulation rounded once to bf16: within bf16's relative step of each exact entry (plus fp32 noise)
+    assert ((got.double() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-3 * exact.abs().max()).all()
+    # and as close to the exact product as torch's own bf16 matmul
+    assert (got.double() - exact).abs().max() <= 2 * ((x @ w.t()).double() - exact).abs().max() + 1e-6
+
+
+@needs_amx
+def test_amx_rows_do_not_depend_on_how_many_are_multiplied_together_or_on_threads():
+    """Each output row is accumulated in the same order whatever the row count and thread count, so verifying a
+    block of k tokens produces, row for row, the bits that k single-token steps would."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(1728, 576, generator=g).bfloat16()
+    x = torch.randn(13, 576, generator=g).bfloat16()
+    lin = PackedLinear(w)
+    together = lin(x)
+    for i in range(13):
+        assert torch.equal(lin(x[i:i + 1])[0], together[i])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one_thread = lin(x)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one_thread, together)
+
+
+@needs_amx
+def test_larger_inputs_and_odd_shapes_take_the_plain_matmul():
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(64, 64, generator=g).bfloat16()
+    x = torch.randn(AMX_MAX_ROWS + 1, 64, generator=g).bfloat16()
+    assert torch.equal(PackedLinear(w)(x), x @ w.t())  # prefill-sized inputs: torch's matmul
+    odd = PackedLinear(torch.randn(10, 64, generator=g).bfloat16())  # 10 outputs: not whole 16-column tiles
+    assert odd.kernel != "amx"
+    batched = torch.randn(2, 3, 64, generator=g).bfloat16()  # leading dimensions are flattened and restored
+    assert torch.equal(PackedLinear(w)(batched), PackedLinear(w)(batched.reshape(6, 64)).view(2, 3, 64))
+
+
+def test_kernels_can_be_switched_off_and_then_onednn_or_the_plain_matmul_serves(monkeypatch):
+    monkeypatch.setenv("HYFLASH_KERNELS", "0")
+    kernels.amx.cache_clear()
+    try:
+        assert kernels.amx() is None
+        w = torch.randn(64, 64).bfloat16()
+        x = torch.randn(3, 64).bfloat16()
+        lin = PackedLinear(w)
+        assert lin.kernel in ("onednn", "plain")
+        exact = _exact(x, w)
+        assert (lin(x).double() - exact).abs().max() < 0.02 * exact.abs().max()
+    finally:
+        monkeypatch.delenv("HYFLASH_KERNELS")
+        kernels.amx.cache_clear()
+
+
+def test_no_amx_flags_means_no_kernel(monkeypatch):
+    monkeypatch.setattr(kernels, "cpu_has_amx", lambda: False)
+    kernels.amx.cache_clear()
+    try:
+        assert kernels.amx() is None
+    finally:
+        monkeypatch.undo()
+        kernels.amx.cache_clear()
