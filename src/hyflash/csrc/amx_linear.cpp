@@ -6,7 +6,7 @@
 // ([N/16][K/2][16][2]: 16 output columns x a pair of k per 4 bytes, 64 bytes a tile row) and each call streams it
 // through TDPBF16PS once, with x's rows as the A tile: the cost barely grows from 1 row to 16, so verifying a block
 // of drafted tokens costs about what one token does. Accumulation is fp32, the result is rounded to bf16 once.
-#include <torch/extension.h>
+#include "amx.h"
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -44,6 +44,8 @@ inline void store_bf16(const float* acc, int64_t M, int nb, at::BFloat16* y, int
 
 }  // namespace
 
+namespace hyflash {
+
 bool init() {  // true when this process may use AMX tiles
   return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
 }
@@ -55,7 +57,7 @@ torch::Tensor pack(torch::Tensor w) {
   return w.contiguous().view({N / 16, 16, K / 2, 2}).permute({0, 2, 1, 3}).contiguous();
 }
 
-torch::Tensor linear(torch::Tensor x, torch::Tensor packed) {
+torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.is_contiguous(), "linear: contiguous 2-D bf16 x");
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * 16;
   TORCH_CHECK(M >= 1 && M <= 16, "linear: 1 to 16 rows");
@@ -107,8 +109,12 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed) {
   return y;
 }
 
+}  // namespace hyflash
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using namespace hyflash;
   m.def("init", &init, "ask the OS for AMX tile state; true when granted");
   m.def("pack", &pack, "reorder a bf16 weight [N, K] into AMX B tiles");
-  m.def("linear", &linear, "x [M<=16, K] bf16 @ w.T from pack(w) -> [M, N] bf16");
+  m.def("linear", &amx_linear, "x [M<=16, K] bf16 @ w.T from pack(w) -> [M, N] bf16");
+  m.def("llama_forward", &llama_forward, "one forward of a Llama decoder over <= 16 new tokens (lean_llama.cpp)");
 }

@@ -1,0 +1,192 @@
+// One forward of a Llama decoder over up to 16 new tokens, in C++: what hyflash.fast.LeanLlama.forward computes
+// in Python, with the same bf16 roundings at the same places, in one call instead of ~1,500 small torch operations
+// (about half of a decoding step's time on a 2-core CPU once the matmuls run on AMX). Matmuls: amx_linear() of
+// amx_linear.cpp. Attention: the new tokens see every cached key and, among themselves, what `mask` allows (a chain:
+// the lower triangle; a tree of candidates: each node's ancestors and itself), in fp32 with one rounding to bf16.
+#include "amx.h"
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <cmath>
+
+namespace {
+
+using bf16 = at::BFloat16;
+
+inline __m512 load16(const bf16* p) {  // 16 bf16 -> 16 fp32 (exact)
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+// e^x for 16 floats (|error| ~1 ulp): e^x = 2^k * e^r with k = round(x / ln 2), |r| <= ln(2) / 2, a degree-6
+// Taylor polynomial for e^r, and scalef for 2^k. Inputs below -87 (and -inf) give 0.
+inline __m512 exp16(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(-87.f);
+  const __mmask16 zero = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+  x = _mm512_min_ps(_mm512_max_ps(x, lo), _mm512_set1_ps(88.f));
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_maskz_mov_ps(~zero, _mm512_scalef_ps(p, k));
+}
+
+inline __m512 round_bf16(__m512 x) {  // to the nearest bf16 (ties to even) and back to fp32
+  const __m256i b = (__m256i)_mm512_cvtneps_pbh(x);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+}
+
+inline void store16(bf16* p, __m512 x) {  // round to bf16 and store 16 values
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(x));
+}
+
+// torch's RMSNorm of fast.py: fp32 statistics, the normalised row rounded to bf16, then times the weight in bf16.
+// d is a multiple of 16 (checked by the caller).
+void rms_norm(const bf16* x, const bf16* w, bf16* out, int64_t n, int64_t d, float eps) {
+  for (int64_t i = 0; i < n; ++i) {
+    const bf16* row = x + i * d;
+    __m512 ss = _mm512_setzero_ps();
+    for (int64_t j = 0; j < d; j += 16) { const __m512 v = load16(row + j); ss = _mm512_fmadd_ps(v, v, ss); }
+    const __m512 r = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(ss) / d + eps));
+    for (int64_t j = 0; j < d; j += 16)
+      store16(out + i * d + j, _mm512_mul_ps(load16(w + j), round_bf16(_mm512_mul_ps(load16(row + j), r))));
+  }
+}
+
+// x * cos + rotate_half(x) * sin, each product and the sum rounded to bf16 (as torch does on bf16 tensors);
+// hd a multiple of 32
+void rope(bf16* x, const bf16* cos, const bf16* sin, int64_t hd) {
+  const int64_t half = hd / 2;
+  __m512 out[16];
+  for (int64_t e = 0; e < hd; e += 16) {
+    const __m512 rot = e < half ? _mm512_sub_ps(_mm512_setzero_ps(), load16(x + e + half)) : load16(x + e - half);
+    out[e / 16] = _mm512_add_ps(round_bf16(_mm512_mul_ps(load16(x + e), load16(cos + e))),
+                                round_bf16(_mm512_mul_ps(rot, load16(sin + e))));
+  }
+  for (int64_t e = 0; e < hd; e += 16) store16(x + e, out[e / 16]);
+}
+
+void add_into(bf16* h, const bf16* y, int64_t count) {  // h = bf16(h + y); count a multiple of 16
+  for (int64_t e = 0; e < count; e += 16) store16(h + e, _mm512_add_ps(load16(h + e), load16(y + e)));
+}
+
+}  // namespace
+
+namespace hyflash {
+
+std::vector<torch::Tensor> llama_forward(
+    torch::Tensor ids, torch::Tensor embed, std::vector<torch::Tensor> layers, torch::Tensor final_norm,
+    torch::Tensor head, std::vector<torch::Tensor> cache_k, std::vector<torch::Tensor> cache_v, int64_t start,
+    torch::Tensor cos, torch::Tensor sin, torch::Tensor mask, int64_t H, int64_t Hkv, double eps_d,
+    double scale_d, std::vector<int64_t> feature_layers) {
+  const int64_t n = ids.size(0), d = embed.size(1), L = static_cast<int64_t>(cache_k.size());
+  const int64_t hd = cache_k[0].size(3), cap = cache_k[0].size(2), end = start + n, group = H / Hkv;
+  const float eps = static_cast<float>(eps_d), scale = static_cast<float>(scale_d);
+  TORCH_CHECK(n >= 1 && n <= 16, "llama_forward: 1 to 16 new tokens");
+  TORCH_CHECK(static_cast<int64_t>(layers.size()) == 6 * L, "llama_forward: 6 weights per layer");
+  TORCH_CHECK(end <= cap, "llama_forward: the cache holds ", cap, " tokens, ", end, " needed");
+  TORCH_CHECK(hd % 32 == 0 && hd <= 256 && H % Hkv == 0 && d % 16 == 0, "llama_forward: unsupported geometry");
+  TORCH_CHECK(mask.scalar_type() == torch::kBool && mask.size(0) == n && mask.size(1) == n && mask.is_contiguous());
+  auto opt = embed.options();
+  auto h = embed.index_select(0, ids).contiguous();  // [n, d] bf16
+  auto x = torch::empty({n, d}, opt);
+  auto attn = torch::empty({n, H * hd}, opt);
+  std::vector<torch::Tensor> kept(L);
+  const bool* mk = mask.data_ptr<bool>();
+  const bf16* cs = cos.data_ptr<bf16>();
+  const bf16* sn = sin.data_ptr<bf16>();
+
+  for (int64_t l = 0; l < L; ++l) {
+    const auto& w_in = layers[6 * l];
+    const auto& w_post = layers[6 * l + 3];
+    rms_norm(h.data_ptr<bf16>(), w_in.data_ptr<bf16>(), x.data_ptr<bf16>(), n, d, eps);
+    auto qkv = amx_linear(x, layers[6 * l + 1]);  // [n, (H + 2 Hkv) hd]
+    bf16* qp = qkv.data_ptr<bf16>();
+    const int64_t row = qkv.size(1);
+    bf16* kc = cache_k[l].data_ptr<bf16>();
+    bf16* vc = cache_v[l].data_ptr<bf16>();
+    for (int64_t i = 0; i < n; ++i) {  // RoPE on q and k; k and v into the cache at start + i
+      bf16* r = qp + i * row;
+      for (int64_t a = 0; a < H + Hkv; ++a) rope(r + a * hd, cs + i * hd, sn + i * hd, hd);
+      for (int64_t a = 0; a < Hkv; ++a) {
+        std::memcpy(kc + (a * cap + start + i) * hd, r + (H + a) * hd, hd * sizeof(bf16));
+        std::memcpy(vc + (a * cap + start + i) * hd, r + (H + Hkv + a) * hd, hd * sizeof(bf16));
+      }
+    }
+    bf16* out = attn.data_ptr<bf16>();
+    at::parallel_for(0, H * n, 1, [&](int64_t first, int64_t last) {
+      std::vector<float> score(end);
+      for (int64_t t = first; t < last; ++t) {
+        const int64_t a = t / n, i = t % n, kv = a / group;
+        const bf16* q = qp + i * row + a * hd;
+        const bf16* kb = kc + kv * cap * hd;
+        const bf16* vb = vc + kv * cap * hd;
+        float best = -INFINITY;
+        for (int64_t j = 0; j < end; ++j) {
+          if (j >= start && !mk[i * n + (j - start)]) { score[j] = -INFINITY; continue; }
+          __m512 acc = _mm512_setzero_ps();
+          for (int64_t e = 0; e < hd; e += 16) acc = _mm512_fmadd_ps(load16(q + e), load16(kb + j * hd + e), acc);
+          score[j] = _mm512_reduce_add_ps(acc) * scale;
+          best = std::max(best, score[j]);
+        }
+        int64_t j = 0;
+        for (; j + 16 <= end; j += 16)
+          _mm512_storeu_ps(&score[j], exp16(_mm512_sub_ps(_mm512_loadu_ps(&score[j]), _mm512_set1_ps(best))));
+        for (; j < end; ++j) score[j] = score[j] == -INFINITY ? 0.f : std::exp(score[j] - best);
+        float total = 0.f;
+        __m512 o[16];
+        for (int64_t e = 0; e < hd / 16; ++e) o[e] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < end; ++j) {
+          const float p = score[j];
+          if (p == 0.f) continue;
+          total += p;
+          const __m512 pv = _mm512_set1_ps(p);
+          for (int64_t e = 0; e < hd / 16; ++e) o[e] = _mm512_fmadd_ps(pv, load16(vb + j * hd + 16 * e), o[e]);
+        }
+        alignas(64) float res[256];
+        for (int64_t e = 0; e < hd / 16; ++e) _mm512_store_ps(res + 16 * e, o[e]);
+        bf16* dst = out + i * H * hd + a * hd;
+        for (int64_t e = 0; e < hd; e += 16) store16(dst + e, _mm512_div_ps(_mm512_load_ps(res + e), _mm512_set1_ps(total)));
+      }
+    });
+    auto o = amx_linear(attn, layers[6 * l + 2]);  // [n, d]
+    bf16* hp = h.data_ptr<bf16>();
+    const bf16* op = o.data_ptr<bf16>();
+    add_into(hp, op, n * d);
+    rms_norm(hp, w_post.data_ptr<bf16>(), x.data_ptr<bf16>(), n, d, eps);
+    auto gu = amx_linear(x, layers[6 * l + 4]);  // [n, 2 inter]
+    const int64_t inter = gu.size(1) / 2;
+    auto act = torch::empty({n, inter}, opt);
+    const bf16* gp = gu.data_ptr<bf16>();
+    bf16* ap = act.data_ptr<bf16>();
+    TORCH_CHECK(inter % 16 == 0, "llama_forward: intermediate size must be a multiple of 16");
+    for (int64_t i = 0; i < n; ++i)  // silu(gate), rounded to bf16, times up, rounded to bf16
+      for (int64_t e = 0; e < inter; e += 16) {
+        const __m512 g = load16(gp + i * 2 * inter + e);
+        const __m512 act = round_bf16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
+        store16(ap + i * inter + e, _mm512_mul_ps(act, load16(gp + i * 2 * inter + inter + e)));
+      }
+    auto down = amx_linear(act, layers[6 * l + 5]);
+    const bf16* dp = down.data_ptr<bf16>();
+    add_into(hp, dp, n * d);
+    for (int64_t want : feature_layers)
+      if (want == l) { kept[l] = h.clone(); break; }
+  }
+  rms_norm(h.data_ptr<bf16>(), final_norm.data_ptr<bf16>(), x.data_ptr<bf16>(), n, d, eps);
+  auto logits = amx_linear(x, head).to(torch::kFloat32);
+  torch::Tensor features;
+  if (!feature_layers.empty()) {
+    std::vector<torch::Tensor> parts;
+    for (int64_t want : feature_layers) parts.push_back(kept[want]);
+    features = torch::cat(parts, 1);
+  }
+  return std::vector<torch::Tensor>{logits, features};
+}
+
+}  // namespace hyflash
