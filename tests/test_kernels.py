@@ -15,7 +15,8 @@ def _exact(x, w):
 
 
 @needs_amx
-@pytest.mark.parametrize("out_features,in_features", [(16, 32), (48, 64), (80, 96), (1728, 576), (576, 1536)])
+@pytest.mark.parametrize("out_features,in_features", [(16, 32), (48, 64), (80, 96), (1728, 576), (576, 1536),
+                                                      (968, 576), (10, 64)])  # the last two: padded to 16 columns
 @pytest.mark.parametrize("rows", [1, 2, 7, 13, 16])
 def test_amx_matmul_is_a_bf16_rounding_of_the_exact_product(out_features, in_features, rows):
     g = torch.Generator().manual_seed(out_features * 100 + rows)
@@ -57,7 +58,7 @@ def test_larger_inputs_and_odd_shapes_take_the_plain_matmul():
     w = torch.randn(64, 64, generator=g).bfloat16()
     x = torch.randn(AMX_MAX_ROWS + 1, 64, generator=g).bfloat16()
     assert torch.equal(PackedLinear(w)(x), x @ w.t())  # prefill-sized inputs: torch's matmul
-    odd = PackedLinear(torch.randn(10, 64, generator=g).bfloat16())  # 10 outputs: not whole 16-column tiles
+    odd = PackedLinear(torch.randn(10, 48, generator=g).bfloat16())  # 48 inputs: not whole 32-row tiles
     assert odd.kernel != "amx"
     batched = torch.randn(2, 3, 64, generator=g).bfloat16()  # leading dimensions are flattened and restored
     assert torch.equal(PackedLinear(w)(batched), PackedLinear(w)(batched.reshape(6, 64)).view(2, 3, 64))

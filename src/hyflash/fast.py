@@ -116,7 +116,8 @@ class LeanLlama:
         # our AMX kernel: the same computation and bf16 roundings as below, without ~1,500 small torch operations.
         self.native = None
         linears = [lin for layer in self.layers for lin in (layer[1], layer[2], layer[4], layer[5])] + [self.head]
-        if all(lin.amx is not None for lin in linears) and self.hd % 16 == 0:
+        if all(lin.amx is not None for lin in linears) and self.hd % 32 == 0 and self.H // self.Hkv <= 8 \
+                and self.inter % 16 == 0 and self.embed.shape[1] % 16 == 0:
             self.native = [t for (w_in, qkv, o, w_post, gu, down) in self.layers
                            for t in (w_in.contiguous(), qkv.amx, o.amx, w_post.contiguous(), gu.amx, down.amx)]
 
@@ -188,13 +189,25 @@ class LeanLlama:
         return logits, features
 
 
+    def _rope_table(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of every position up to the model's context, computed once: a position's values must not
+        depend on which other positions a forward computes with it (vectorised and scalar cos can differ in the
+        last bit), so that verifying k tokens together gives each the bits a single-token step would."""
+        table = getattr(self, "_rope_cache", None)
+        if table is None or table[0].shape[0] < length:
+            n = max(length, getattr(self.model.config, "max_position_embeddings", 0) or 0)
+            table = self._rope(torch.arange(n), self.embed.dtype)
+            self._rope_cache = table
+        return table
+
     def _native_forward(self, ids, cache, feature_layers, parents, start, end):
         n = end - start
         if parents is None:
             positions, sees = torch.arange(start, end), torch.ones(n, n, dtype=torch.bool).tril()
         else:
             positions, sees = tree_mask(parents, start)
-        cos, sin = self._rope(positions, self.embed.dtype)
+        cos, sin = self._rope_table(end)
+        cos, sin = cos[positions], sin[positions]
         logits, features = kernels.amx().llama_forward(
             ids.long().contiguous(), self.embed, self.native, self.final_norm, self.head.amx, cache.k, cache.v, start,
             cos.contiguous(), sin.contiguous(), sees.contiguous(), self.H, self.Hkv, self.eps, self.scale,

@@ -1,5 +1,6 @@
 """Our own CPU kernels, compiled at first use (csrc/): a bf16 matmul on AMX tiles for 1-16 rows (amx_linear.cpp), and
-a Llama decoder's whole forward over up to 16 new tokens built on it (lean_llama.cpp, used by ``fast.LeanLlama``).
+a Llama decoder's whole forward over up to 16 new tokens built on it (lean_llama.cpp, used by ``fast.LeanLlama``), and
+the HyFlash drafter's commit and draft (drafter.cpp, used by ``drafter.state.DrafterState``).
 
 ``amx()`` returns the compiled module, or None where it cannot run — not x86-64 Linux, no AMX-BF16 in the CPU's flags,
 no C++ compiler, a failed build, or ``HYFLASH_KERNELS=0`` — and callers then use oneDNN (``hyflash.packed``). The
@@ -30,13 +31,13 @@ def cpu_has_amx() -> bool:
 
 @functools.cache
 def amx():
-    """The compiled AMX module (``init``, ``pack``, ``linear``, ``llama_forward``), or None when it is unavailable (see the module)."""
+    """The compiled module (``init``, ``pack``, ``linear``, ``llama_forward``, ``drafter_commit``, ``drafter_draft``), or None when it is unavailable (see the module)."""
     if os.environ.get("HYFLASH_KERNELS", "1") == "0" or not cpu_has_amx():
         return None
     try:
         from torch.utils.cpp_extension import load
 
-        module = load(name="hyflash_amx_linear", sources=[str(CSRC / "amx_linear.cpp"), str(CSRC / "lean_llama.cpp")],
+        module = load(name="hyflash_amx_linear", sources=[str(CSRC / name) for name in ("amx_linear.cpp", "lean_llama.cpp", "drafter.cpp")],
                       extra_cflags=["-O3", "-mavx512f", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-fopenmp"],
                       extra_ldflags=["-fopenmp"], verbose=False)  # OpenMP: torch's own runtime and thread count
         if not module.init():

@@ -29,15 +29,19 @@ class PackedLinear:
         self.out_features, self.in_features = w.shape
         if not (pack and w.dtype == torch.bfloat16 and w.device.type == "cpu"):
             return
-        module = kernels.amx() if self.out_features % 16 == 0 and self.in_features % 32 == 0 else None
+        module = kernels.amx() if self.in_features % 32 == 0 else None
         if module is not None:
-            self.amx = module.pack(self.w)
-            self._amx_linear = module.linear
+            self.amx = module.pack(self.w)  # out_features padded with zero rows to whole 16-column tiles
+            self._amx_linear = module.linear if self.out_features % 16 == 0 else self._amx_padded
+            self._amx_unpadded = module.linear
         elif torch.backends.mkldnn.is_available():
             try:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 1)
             except (RuntimeError, AttributeError):  # a torch build without the op: keep the plain matmul
                 self.packed = None
+
+    def _amx_padded(self, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+        return self._amx_unpadded(x, packed)[:, : self.out_features]
 
     @property
     def is_packed(self) -> bool:

@@ -130,9 +130,8 @@ class HyFlashProposer:
         if k <= 0:
             return Draft([])
         d = self.drafter
-        h = self.state.draft_hidden(anchor)[:k]  # [k, d]
         if d.config.causal_head_rank == 0:
-            logits = d.logits(h)
+            logits = self.state.draft_logits(anchor)[:k]
             if sampling.greedy and self.tree > 1:
                 return self._tree(logits, min(self.tree, max_tokens))
             if sampling.greedy:
@@ -143,6 +142,7 @@ class HyFlashProposer:
             index = torch.multinomial(q, 1, generator=self.gen)[:, 0]
             keep = self._keep(q, index, probs=True)
             return Draft(d.token_ids(index[:keep]).tolist(), d.full_vocab(q[:keep]))
+        h = self.state.draft_hidden(anchor)[:k]  # [k, d]
         tokens, probs, prev = [], [], anchor
         for i in range(k):  # left to right: slot i's logits are biased by the token drafted at slot i−1
             hi = h[i] if i == 0 else h[i] + d.causal_bias_hidden(torch.tensor(prev, device=h.device))

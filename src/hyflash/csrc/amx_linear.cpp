@@ -50,11 +50,12 @@ bool init() {  // true when this process may use AMX tiles
   return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
 }
 
-torch::Tensor pack(torch::Tensor w) {
+torch::Tensor pack(torch::Tensor w) {  // out_features are padded with zero rows to a multiple of 16
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kBFloat16, "pack: a 2-D bf16 weight");
-  const int64_t N = w.size(0), K = w.size(1);
-  TORCH_CHECK(N % 16 == 0 && K % 32 == 0, "pack: out_features % 16 and in_features % 32 must be 0");
-  return w.contiguous().view({N / 16, 16, K / 2, 2}).permute({0, 2, 1, 3}).contiguous();
+  const int64_t N = w.size(0), K = w.size(1), padded = (N + 15) / 16 * 16;
+  TORCH_CHECK(K % 32 == 0, "pack: in_features % 32 must be 0");
+  auto full = padded == N ? w.contiguous() : torch::cat({w, w.new_zeros({padded - N, K})}, 0);
+  return full.view({padded / 16, 16, K / 2, 2}).permute({0, 2, 1, 3}).contiguous();
 }
 
 torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed) {
@@ -115,6 +116,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace hyflash;
   m.def("init", &init, "ask the OS for AMX tile state; true when granted");
   m.def("pack", &pack, "reorder a bf16 weight [N, K] into AMX B tiles");
-  m.def("linear", &amx_linear, "x [M<=16, K] bf16 @ w.T from pack(w) -> [M, N] bf16");
+  m.def("linear", &amx_linear, "x [M<=16, K] bf16 @ w.T from pack(w) -> [M, N rounded up to 16] bf16");
   m.def("llama_forward", &llama_forward, "one forward of a Llama decoder over <= 16 new tokens (lean_llama.cpp)");
+  m.def("drafter_commit", &drafter_commit, "fold <= 16 verified features into a drafter's state (drafter.cpp)");
+  m.def("drafter_draft", &drafter_draft, "a drafter's block logits from its state (drafter.cpp)");
 }

@@ -4,47 +4,15 @@
 // amx_linear.cpp. Attention: the new tokens see every cached key and, among themselves, what `mask` allows (a chain:
 // the lower triangle; a tree of candidates: each node's ancestors and itself), in fp32 with one rounding to bf16.
 #include "amx.h"
+#include "simd.h"
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <cmath>
 
+namespace hyflash {
 namespace {
 
-using bf16 = at::BFloat16;
-
-inline __m512 load16(const bf16* p) {  // 16 bf16 -> 16 fp32 (exact)
-  return _mm512_castsi512_ps(_mm512_slli_epi32(
-      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
-
-// e^x for 16 floats (|error| ~1 ulp): e^x = 2^k * e^r with k = round(x / ln 2), |r| <= ln(2) / 2, a degree-6
-// Taylor polynomial for e^r, and scalef for 2^k. Inputs below -87 (and -inf) give 0.
-inline __m512 exp16(__m512 x) {
-  const __m512 lo = _mm512_set1_ps(-87.f);
-  const __mmask16 zero = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
-  x = _mm512_min_ps(_mm512_max_ps(x, lo), _mm512_set1_ps(88.f));
-  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_maskz_mov_ps(~zero, _mm512_scalef_ps(p, k));
-}
-
-inline __m512 round_bf16(__m512 x) {  // to the nearest bf16 (ties to even) and back to fp32
-  const __m256i b = (__m256i)_mm512_cvtneps_pbh(x);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
-}
-
-inline void store16(bf16* p, __m512 x) {  // round to bf16 and store 16 values
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(x));
-}
+constexpr int64_t kMaxGroup = 8;  // query heads per kv head
 
 // torch's RMSNorm of fast.py: fp32 statistics, the normalised row rounded to bf16, then times the weight in bf16.
 // d is a multiple of 16 (checked by the caller).
@@ -78,8 +46,6 @@ void add_into(bf16* h, const bf16* y, int64_t count) {  // h = bf16(h + y); coun
 
 }  // namespace
 
-namespace hyflash {
-
 std::vector<torch::Tensor> llama_forward(
     torch::Tensor ids, torch::Tensor embed, std::vector<torch::Tensor> layers, torch::Tensor final_norm,
     torch::Tensor head, std::vector<torch::Tensor> cache_k, std::vector<torch::Tensor> cache_v, int64_t start,
@@ -91,7 +57,8 @@ std::vector<torch::Tensor> llama_forward(
   TORCH_CHECK(n >= 1 && n <= 16, "llama_forward: 1 to 16 new tokens");
   TORCH_CHECK(static_cast<int64_t>(layers.size()) == 6 * L, "llama_forward: 6 weights per layer");
   TORCH_CHECK(end <= cap, "llama_forward: the cache holds ", cap, " tokens, ", end, " needed");
-  TORCH_CHECK(hd % 32 == 0 && hd <= 256 && H % Hkv == 0 && d % 16 == 0, "llama_forward: unsupported geometry");
+  TORCH_CHECK(hd % 32 == 0 && hd <= 256 && H % Hkv == 0 && H / Hkv <= kMaxGroup && d % 16 == 0,
+              "llama_forward: unsupported geometry");
   TORCH_CHECK(mask.scalar_type() == torch::kBool && mask.size(0) == n && mask.size(1) == n && mask.is_contiguous());
   auto opt = embed.options();
   auto h = embed.index_select(0, ids).contiguous();  // [n, d] bf16
@@ -120,39 +87,70 @@ std::vector<torch::Tensor> llama_forward(
       }
     }
     bf16* out = attn.data_ptr<bf16>();
-    at::parallel_for(0, H * n, 1, [&](int64_t first, int64_t last) {
-      std::vector<float> score(end);
+    // one task per (kv head, new token), covering the kv head's `group` query heads (each value is read once for
+    // them); q·k by bf16 dot products with fp32 accumulation, 16 keys at a time; softmax and p·v in fp32
+    at::parallel_for(0, Hkv * n, 1, [&](int64_t first, int64_t last) {
+      std::vector<float> score(group * end);
       for (int64_t t = first; t < last; ++t) {
-        const int64_t a = t / n, i = t % n, kv = a / group;
-        const bf16* q = qp + i * row + a * hd;
+        const int64_t kv = t / n, i = t % n;
         const bf16* kb = kc + kv * cap * hd;
         const bf16* vb = vc + kv * cap * hd;
-        float best = -INFINITY;
-        for (int64_t j = 0; j < end; ++j) {
-          if (j >= start && !mk[i * n + (j - start)]) { score[j] = -INFINITY; continue; }
-          __m512 acc = _mm512_setzero_ps();
-          for (int64_t e = 0; e < hd; e += 16) acc = _mm512_fmadd_ps(load16(q + e), load16(kb + j * hd + e), acc);
-          score[j] = _mm512_reduce_add_ps(acc) * scale;
-          best = std::max(best, score[j]);
+        __m512i q[kMaxGroup][8];
+        for (int64_t g = 0; g < group; ++g)
+          for (int64_t e = 0; e < hd / 32; ++e)
+            q[g][e] = _mm512_loadu_si512(qp + i * row + (kv * group + g) * hd + 32 * e);
+        // scores of every key 0..end-1 (16 at a time), then the mask: -inf where a new token may not look
+        float best[kMaxGroup];
+        for (int64_t g = 0; g < group; ++g) {
+          float* sg = &score[g * end];
+          // every key through the same instructions wherever it falls (a block of 16 or the last, partial one),
+          // so a token's result does not depend on how many tokens are verified together
+          for (int64_t j = 0; j < end; j += 16) {
+            const int64_t count = std::min<int64_t>(16, end - j);
+            __m512 acc[16];
+            for (int64_t u = 0; u < 16; ++u) {
+              acc[u] = _mm512_setzero_ps();
+              if (u >= count) continue;
+              for (int64_t e = 0; e < hd / 32; ++e)
+                acc[u] = _mm512_dpbf16_ps(acc[u], (__m512bh)q[g][e], (__m512bh)_mm512_loadu_si512(kb + (j + u) * hd + 32 * e));
+            }
+            _mm512_mask_storeu_ps(sg + j, static_cast<__mmask16>((1u << count) - 1),
+                                  _mm512_mul_ps(hsum16(acc), _mm512_set1_ps(scale)));
+          }
+          int64_t j;
+          for (j = start; j < end; ++j)
+            if (!mk[i * n + (j - start)]) sg[j] = -INFINITY;
+          best[g] = -INFINITY;  // a maximum is exact in any order
+          for (j = 0; j < end; ++j) best[g] = std::max(best[g], sg[j]);
         }
-        int64_t j = 0;
-        for (; j + 16 <= end; j += 16)
-          _mm512_storeu_ps(&score[j], exp16(_mm512_sub_ps(_mm512_loadu_ps(&score[j]), _mm512_set1_ps(best))));
-        for (; j < end; ++j) score[j] = score[j] == -INFINITY ? 0.f : std::exp(score[j] - best);
-        float total = 0.f;
-        __m512 o[16];
-        for (int64_t e = 0; e < hd / 16; ++e) o[e] = _mm512_setzero_ps();
-        for (int64_t j = 0; j < end; ++j) {
-          const float p = score[j];
-          if (p == 0.f) continue;
-          total += p;
-          const __m512 pv = _mm512_set1_ps(p);
-          for (int64_t e = 0; e < hd / 16; ++e) o[e] = _mm512_fmadd_ps(pv, load16(vb + j * hd + 16 * e), o[e]);
+        float total[kMaxGroup];
+        for (int64_t g = 0; g < group; ++g) {
+          float* sg = &score[g * end];
+          for (int64_t j = 0; j < end; j += 16) {
+            const __mmask16 lanes = static_cast<__mmask16>((1u << std::min<int64_t>(16, end - j)) - 1);
+            const __m512 x = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), lanes, sg + j);
+            _mm512_mask_storeu_ps(sg + j, lanes, exp16(_mm512_sub_ps(x, _mm512_set1_ps(best[g]))));
+          }
+          total[g] = 0.f;  // in key order: masked keys add exact zeros
+          for (int64_t j = 0; j < end; ++j) total[g] += sg[j];
         }
-        alignas(64) float res[256];
-        for (int64_t e = 0; e < hd / 16; ++e) _mm512_store_ps(res + 16 * e, o[e]);
-        bf16* dst = out + i * H * hd + a * hd;
-        for (int64_t e = 0; e < hd; e += 16) store16(dst + e, _mm512_div_ps(_mm512_load_ps(res + e), _mm512_set1_ps(total)));
+        __m512 o[kMaxGroup][16];
+        for (int64_t g = 0; g < group; ++g)
+          for (int64_t e = 0; e < hd / 16; ++e) o[g][e] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < end; ++j) {
+          if (j >= start && !mk[i * n + (j - start)]) continue;
+          __m512 vv[16];
+          for (int64_t e = 0; e < hd / 16; ++e) vv[e] = load16(vb + j * hd + 16 * e);
+          for (int64_t g = 0; g < group; ++g) {
+            const __m512 p = _mm512_set1_ps(score[g * end + j]);
+            for (int64_t e = 0; e < hd / 16; ++e) o[g][e] = _mm512_fmadd_ps(p, vv[e], o[g][e]);
+          }
+        }
+        for (int64_t g = 0; g < group; ++g) {
+          bf16* dst = out + i * H * hd + (kv * group + g) * hd;
+          const __m512 inv = _mm512_set1_ps(1.f / total[g]);
+          for (int64_t e = 0; e < hd / 16; ++e) store16(dst + 16 * e, _mm512_mul_ps(o[g][e], inv));
+        }
       }
     });
     auto o = amx_linear(attn, layers[6 * l + 2]);  // [n, d]

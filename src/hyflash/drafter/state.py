@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from hyflash import kernels
 from hyflash.drafter import memory as mem
 from hyflash.drafter.attention import rope_tables
 from hyflash.drafter.model import HyFlashDrafter, _state_dtype
@@ -82,6 +83,63 @@ def _runtime_weights(drafter: HyFlashDrafter) -> list[_LayerWeights]:
     return cached[1]
 
 
+class _NativeWeights:
+    """The drafter's weights as our C++ commit and draft take them (csrc/drafter.cpp), for the configurations it
+    covers: bf16 on a CPU with our AMX kernel, a ring window, Mamba-2 memory or none, the full memory, slot attention,
+    no causal head. ``build`` returns None for anything else (the torch path then runs)."""
+
+    @staticmethod
+    def build(drafter: HyFlashDrafter, weights: list[_LayerWeights]) -> "_NativeWeights | None":
+        cfg, module = drafter.config, kernels.amx()
+        head = drafter._packed_head
+        linears = [lin for w in weights for lin in (w.read, w.write, w.out, w.gate_up, w.down)]
+        m = drafter.layers[0].memory
+        if (module is None or next(drafter.parameters()).dtype != torch.bfloat16 or cfg.attention_window is None
+                or cfg.head_dim % 32 or cfg.hidden_size % 16 or cfg.intermediate_size % 16
+                or (m is not None and (m.dv % 16 or m.dk > 256 or m.dv > 256))
+                or cfg.memory_limit is not None or not cfg.slot_attention or cfg.causal_head_rank
+                or (cfg.has_memory and cfg.memory != "mamba2") or head is None or head.amx is None
+                or any(lin.amx is None for lin in linears)):
+            return None
+        fuse = PackedLinear(drafter.fuse.weight)
+        if fuse.amx is None:
+            return None
+        return _NativeWeights(drafter, weights, module, fuse)
+
+    def __init__(self, drafter, weights, module, fuse):
+        cfg = drafter.config
+        f32 = lambda t: t.detach().float().contiguous()  # noqa: E731
+        self.module, self.fuse = module, fuse
+        self.glob = [torch.stack([f32(n.weight) for n in drafter.feature_norms]), fuse.amx, f32(drafter.fuse_norm.weight)]
+        self.layers = []
+        none = torch.empty(0)
+        for layer, w in zip(drafter.layers, weights):
+            m = layer.memory
+            memory = [m.conv.weight[:, 0].detach().contiguous(), m.conv.bias.detach().contiguous(),
+                      -torch.exp(m.A_log.detach().float()), f32(m.dt_bias), f32(m.norm.weight)] if m is not None \
+                else [none] * 5
+            self.layers += [f32(layer.norm.weight), w.read.amx, w.write.amx, w.out.amx, w.gate_up.amx, w.down.amx,
+                            f32(layer.attn.q_norm.weight), f32(layer.attn.k_norm.weight), f32(layer.mlp_norm.weight),
+                            *memory]
+        m = drafter.layers[0].memory
+        self.dims = [cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                     m.H if m else 0, m.dk if m else 0, m.dv if m else 0, m.K if m else 1, m.conv_dim if m else 0,
+                     cfg.attention_window, int(m is not None)]
+        self.eps = cfg.rms_eps
+        self.final_norm = f32(drafter.norm.weight)
+        self.head = drafter._packed_head.amx
+
+
+def _native_weights(drafter: HyFlashDrafter, weights: list[_LayerWeights]) -> _NativeWeights | None:
+    """Built once per set of weights, like ``_runtime_weights``."""
+    cached = getattr(drafter, "_native_weights", None)
+    if cached is None or cached[0] is not weights or cached[1] is not drafter._packed_head:
+        with torch.no_grad():
+            cached = (weights, drafter._packed_head, _NativeWeights.build(drafter, weights))
+        drafter._native_weights = cached
+    return cached[2]
+
+
 class DrafterState:
     def __init__(self, drafter: HyFlashDrafter):
         self.drafter = drafter
@@ -102,11 +160,15 @@ class DrafterState:
             self.memories.append(mem.init_state(1, m.H, m.dk, m.dv, dtype=self.state_dtype, device=p.device))
             self.convs.append(torch.zeros(1, *m.conv_state_shape(), dtype=p.dtype, device=p.device))
             self.recent.append(None)  # memory_limit ablation: the last N write inputs
+        # our C++ commit and draft (csrc/drafter.cpp) where they cover this drafter; they update these same tensors
+        self.native = _native_weights(drafter, self.weights) if p.device.type == "cpu" else None
 
     @torch.no_grad()
     def commit(self, features: torch.Tensor) -> None:
         """Fold verified target features [n, n_layers·D_t] (positions self.n .. self.n+n−1) into the state."""
         d = self.drafter
+        if self.native is not None and 1 <= features.shape[0] <= 16 and not d.training:
+            return self._native_commit(features)
         c = d.fuse_features(features.to(self.device)[None])  # [1, n, d]
         cos, sin = rope_tables(torch.arange(self.n, self.n + c.shape[1], device=self.device), d.config.head_dim,
                                d.config.rope_theta, c.dtype)
@@ -130,6 +192,30 @@ class DrafterState:
                 self.recent[i] = tuple(None if a is None else a[:, -limit:] for a in new)
             i += 1
         self.n += c.shape[1]
+
+    def _native_commit(self, features: torch.Tensor) -> None:
+        n, cfg, nat = features.shape[0], self.drafter.config, self.native
+        cos, sin = rope_tables(torch.arange(self.n, self.n + n), cfg.head_dim, cfg.rope_theta, self.dtype)
+        self.memories = [m.contiguous() for m in self.memories]  # updated in place
+        self.convs = [c.contiguous() for c in self.convs]
+        nat.module.drafter_commit(features.to(self.dtype).contiguous(), nat.glob, nat.layers,
+                                  [w.k for w in self.windows], [w.v for w in self.windows], self.memories,
+                                  self.convs, self.n, cos.contiguous(), sin.contiguous(), nat.dims, nat.eps)
+        self.n += n
+        for w in self.windows:
+            w.count = self.n
+
+    @torch.no_grad()
+    def draft_logits(self, anchor: int) -> torch.Tensor:
+        """The block's draft logits [S, V'] (``drafter.logits`` of ``draft_hidden``). Reads only."""
+        if self.native is None or self.drafter.training:
+            return self.drafter.logits(self.draft_hidden(anchor))
+        d, cfg, nat = self.drafter, self.drafter.config, self.native
+        slots = d.slot_inputs(torch.tensor([[anchor]]))[0, 0].contiguous()  # [S, d]
+        cos, sin = rope_tables(torch.arange(self.n, self.n + cfg.block_size), cfg.head_dim, cfg.rope_theta, self.dtype)
+        return nat.module.drafter_draft(slots, nat.layers, [w.k for w in self.windows], [w.v for w in self.windows],
+                                        self.memories, self.n, cos.contiguous(), sin.contiguous(), nat.final_norm,
+                                        nat.head, nat.dims, nat.eps)
 
     def _memory(self, i: int, kind: str) -> torch.Tensor:
         if self.drafter.config.memory_limit is None or self.recent[i] is None:

@@ -1,0 +1,60 @@
+// AVX-512 helpers shared by the kernels: bf16 <-> fp32 and a vectorised exponential.
+#pragma once
+#include <ATen/ATen.h>
+#include <immintrin.h>
+
+namespace hyflash {
+
+using bf16 = at::BFloat16;
+
+inline __m512 load16(const bf16* p) {  // 16 bf16 -> 16 fp32 (exact)
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+// e^x for 16 floats (|error| ~1 ulp): e^x = 2^k * e^r with k = round(x / ln 2), |r| <= ln(2) / 2, a degree-6
+// Taylor polynomial for e^r, and scalef for 2^k. Inputs below -87 (and -inf) give 0.
+inline __m512 exp16(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(-87.f);
+  const __mmask16 zero = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+  x = _mm512_min_ps(_mm512_max_ps(x, lo), _mm512_set1_ps(88.f));
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_maskz_mov_ps(~zero, _mm512_scalef_ps(p, k));
+}
+
+inline __m512 round_bf16(__m512 x) {  // to the nearest bf16 (ties to even) and back to fp32
+  const __m256i b = (__m256i)_mm512_cvtneps_pbh(x);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+}
+
+inline void store16(bf16* p, __m512 x) {  // round to bf16 and store 16 values
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(x));
+}
+
+
+// [sum(v[0]), ..., sum(v[15])]: sixteen horizontal sums at once (a transpose by shuffles, ~3 operations a sum
+// instead of a ~10-cycle dependent chain each)
+inline __m512 hsum16(const __m512* v) {
+  __m512 u[4];
+  for (int q = 0; q < 4; ++q) {
+    const __m512* w = v + 4 * q;
+    const __m512 t0 = _mm512_add_ps(_mm512_unpacklo_ps(w[0], w[1]), _mm512_unpackhi_ps(w[0], w[1]));
+    const __m512 t1 = _mm512_add_ps(_mm512_unpacklo_ps(w[2], w[3]), _mm512_unpackhi_ps(w[2], w[3]));
+    u[q] = _mm512_add_ps(_mm512_shuffle_ps(t0, t1, 0x44), _mm512_shuffle_ps(t0, t1, 0xEE));
+  }
+  const __m512 x0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+  const __m512 x1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(x0, x1, 0x88), _mm512_shuffle_f32x4(x0, x1, 0xDD));
+}
+
+}  // namespace hyflash
