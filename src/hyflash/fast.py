@@ -24,6 +24,9 @@ class StaticCache:
         self.k = [torch.zeros(1, kv_heads, capacity, head_dim, dtype=dtype, device=device) for _ in range(layers)]
         self.v = [torch.zeros_like(k) for k in self.k]
         self.capacity, self.length = capacity, 0
+        # bf16 buffers on a CPU with our kernels: keep_path in C++ (csrc/lean_llama.cpp)
+        self.native = dtype == torch.bfloat16 and (device is None or torch.device(device).type == "cpu") \
+            and kernels.amx() is not None
 
     def span(self, n: int) -> tuple[int, int]:
         """Positions [start, end) that n new tokens take; raises ValueError when the buffers cannot hold them."""
@@ -35,8 +38,12 @@ class StaticCache:
     def keep_path(self, start: int, nodes: list[int]) -> None:
         """After a tree of candidates was verified at [start, ...): keep the entries of ``nodes`` (offsets from
         ``start``, ascending, the first 0) packed at start, start+1, ..., and drop the rest."""
-        index = torch.tensor(nodes, device=self.k[0].device) + start
         end = start + len(nodes)
+        if self.native:  # one C++ call instead of two gathers per layer
+            kernels.amx().cache_keep(self.k, self.v, start, list(nodes))
+            self.length = end
+            return
+        index = torch.tensor(nodes, device=self.k[0].device) + start
         for buf in self.k + self.v:
             buf[0, :, start:end] = buf[0, :, index]  # advanced indexing gathers a copy first: overlaps are safe
         self.length = end

@@ -12,6 +12,7 @@ std::vector<torch::Tensor> llama_forward(
     torch::Tensor head, std::vector<torch::Tensor> cache_k, std::vector<torch::Tensor> cache_v, int64_t start,
     torch::Tensor cos, torch::Tensor sin, torch::Tensor mask, int64_t heads, int64_t kv_heads, double eps,
     double scale, std::vector<int64_t> feature_layers);
+void cache_keep(std::vector<torch::Tensor> ks, std::vector<torch::Tensor> vs, int64_t start, std::vector<int64_t> nodes);
 void drafter_commit(torch::Tensor feats, std::vector<torch::Tensor> glob, std::vector<torch::Tensor> layers,
                     std::vector<torch::Tensor> win_k, std::vector<torch::Tensor> win_v,
                     std::vector<torch::Tensor> mem, std::vector<torch::Tensor> conv, int64_t start,

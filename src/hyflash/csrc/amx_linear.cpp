@@ -118,6 +118,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "reorder a bf16 weight [N, K] into AMX B tiles");
   m.def("linear", &amx_linear, "x [M<=16, K] bf16 @ w.T from pack(w) -> [M, N rounded up to 16] bf16");
   m.def("llama_forward", &llama_forward, "one forward of a Llama decoder over <= 16 new tokens (lean_llama.cpp)");
+  m.def("cache_keep", &cache_keep, "keep a verified tree path in bf16 static-cache buffers (lean_llama.cpp)");
   m.def("drafter_commit", &drafter_commit, "fold <= 16 verified features into a drafter's state (drafter.cpp)");
   m.def("drafter_draft", &drafter_draft, "a drafter's block logits from its state (drafter.cpp)");
 }

@@ -187,4 +187,19 @@ std::vector<torch::Tensor> llama_forward(
   return std::vector<torch::Tensor>{logits, features};
 }
 
+// StaticCache.keep_path: the entries at start + nodes[i] move to start + i (nodes ascending, nodes[0] = 0; a source
+// is never overwritten before it is read, since start + i <= start + nodes[i] and later sources lie further on)
+void cache_keep(std::vector<torch::Tensor> ks, std::vector<torch::Tensor> vs, int64_t start, std::vector<int64_t> nodes) {
+  for (size_t l = 0; l < ks.size(); ++l)
+    for (torch::Tensor* buf : {&ks[l], &vs[l]}) {
+      const int64_t heads = buf->size(1), cap = buf->size(2), hd = buf->size(3);
+      TORCH_CHECK(start + nodes.back() < cap, "cache_keep: node outside the cache");
+      bf16* p = buf->data_ptr<bf16>();
+      for (int64_t a = 0; a < heads; ++a)
+        for (size_t i = 1; i < nodes.size(); ++i)
+          if (nodes[i] != static_cast<int64_t>(i))
+            std::memcpy(p + (a * cap + start + i) * hd, p + (a * cap + start + nodes[i]) * hd, hd * sizeof(bf16));
+    }
+}
+
 }  // namespace hyflash

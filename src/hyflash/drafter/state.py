@@ -193,9 +193,20 @@ class DrafterState:
             i += 1
         self.n += c.shape[1]
 
+    def _rope(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE tables of positions start..end-1 from a table kept on the drafter (grown by doubling): the same
+        values as ``rope_tables``, without computing them in fp64 twice a round."""
+        cfg = self.drafter.config
+        table = getattr(self.drafter, "_rope_table", None)
+        if table is None or table[0].shape[0] < end:
+            n = max(end, 4096, 2 * (0 if table is None else table[0].shape[0]))
+            table = rope_tables(torch.arange(n), cfg.head_dim, cfg.rope_theta, self.dtype)
+            self.drafter._rope_table = table
+        return table[0][start:end], table[1][start:end]
+
     def _native_commit(self, features: torch.Tensor) -> None:
-        n, cfg, nat = features.shape[0], self.drafter.config, self.native
-        cos, sin = rope_tables(torch.arange(self.n, self.n + n), cfg.head_dim, cfg.rope_theta, self.dtype)
+        n, nat = features.shape[0], self.native
+        cos, sin = self._rope(self.n, self.n + n)
         self.memories = [m.contiguous() for m in self.memories]  # updated in place
         self.convs = [c.contiguous() for c in self.convs]
         nat.module.drafter_commit(features.to(self.dtype).contiguous(), nat.glob, nat.layers,
@@ -212,7 +223,7 @@ class DrafterState:
             return self.drafter.logits(self.draft_hidden(anchor))
         d, cfg, nat = self.drafter, self.drafter.config, self.native
         slots = d.slot_inputs(torch.tensor([[anchor]]))[0, 0].contiguous()  # [S, d]
-        cos, sin = rope_tables(torch.arange(self.n, self.n + cfg.block_size), cfg.head_dim, cfg.rope_theta, self.dtype)
+        cos, sin = self._rope(self.n, self.n + cfg.block_size)
         return nat.module.drafter_draft(slots, nat.layers, [w.k for w in self.windows], [w.v for w in self.windows],
                                         self.memories, self.n, cos.contiguous(), sin.contiguous(), nat.final_norm,
                                         nat.head, nat.dims, nat.eps)

@@ -1,0 +1,156 @@
+"""Our C++ paths (hyflash.kernels): the Llama forward (fast.LeanLlama) and the drafter's commit and draft
+(drafter.state.DrafterState) against the torch code they replace, in bf16 on CPUs with AMX; and the property that makes
+bf16 speculative decoding exact on them: a token's result does not depend on how many tokens are verified together."""
+
+import pytest
+import torch
+
+from conftest import tiny_llama
+from hyflash import kernels
+from hyflash.decoding import generate
+from hyflash.drafter.config import DrafterConfig
+from hyflash.drafter.model import new_drafter
+from hyflash.drafter.state import DrafterState
+from hyflash.proposers import HyFlashProposer, NgramProposer
+
+pytestmark = pytest.mark.skipif(kernels.amx() is None, reason="no AMX kernels on this machine")
+
+
+def bf16_llama(seed=0):
+    """hidden 128 over 4 heads: head_dim 32, the smallest geometry the C++ forward takes"""
+    target = tiny_llama(vocab=64, hidden=128, layers=2, seed=seed, dtype=torch.bfloat16)
+    target.use_fast_path()
+    assert target.lean.native is not None
+    return target
+
+
+def _close(a, b, tol=0.05):
+    a, b = a.float(), b.float()
+    return (a - b).abs().max() <= tol * b.abs().max()
+
+
+def test_native_forward_matches_the_torch_lean_forward():
+    target = bf16_llama()
+    lean = target.lean
+    prompt = torch.randint(1, 63, (20,), generator=torch.Generator().manual_seed(0))
+    steps = [torch.tensor([5]), torch.tensor([7, 8, 9, 10]), torch.tensor([11, 12, 13, 14, 15])]
+    parents = [None, None, [0, 0, 1, 1]]
+    runs = {}
+    for native in (True, False):
+        saved = lean.native
+        lean.native = saved if native else None
+        try:
+            cache = target.new_cache(64)
+            target.forward(prompt, cache)  # 20 tokens: the torch path either way
+            outs = [target.forward(ids, cache, parents=p) for ids, p in zip(steps, parents)]
+            runs[native] = (outs, cache.k[1][0, :, : cache.length].clone())
+        finally:
+            lean.native = saved
+    for a, b in zip(runs[True][0], runs[False][0]):
+        assert _close(a.logits, b.logits) and _close(a.features, b.features)
+        assert (a.logits.argmax(-1) == b.logits.argmax(-1)).float().mean() >= 0.8
+    assert _close(runs[True][1], runs[False][1])
+
+
+def test_native_forward_gives_each_token_the_bits_of_a_single_token_step():
+    target = bf16_llama(seed=1)
+    prompt = torch.randint(1, 63, (19,), generator=torch.Generator().manual_seed(1))
+    block = [3, 14, 15, 9, 26, 5]
+    cache = target.new_cache(64)
+    target.forward(prompt, cache)
+    together = target.forward(torch.tensor(block), cache)
+    k_together = [k[0, :, 19:25].clone() for k in cache.k]
+    target.rollback(cache, 19)
+    one_by_one = [target.forward(torch.tensor([t]), cache) for t in block]
+    assert torch.equal(together.logits, torch.cat([o.logits for o in one_by_one]))
+    assert torch.equal(together.features, torch.cat([o.features for o in one_by_one]))
+    assert all(torch.equal(a, k[0, :, 19:25]) for a, k in zip(k_together, cache.k))
+    # a tree: each node's logits are its path's, run as a chain
+    target.rollback(cache, 19)
+    tree = target.forward(torch.tensor([3, 14, 40, 15, 41]), cache, parents=[0, 0, 1, 1])
+    target.rollback(cache, 19)
+    chain = target.forward(torch.tensor([3, 14, 41]), cache)  # nodes 0, 1, 4
+    assert torch.equal(tree.logits[[0, 1, 4]], chain.logits)
+
+
+def _bf16_drafter(target, variant="hyflash", window=6):
+    torch.manual_seed(0)
+    cfg = DrafterConfig(variant=variant, num_layers=2, block_size=4, window=window, hidden_size=128, num_heads=4,
+                        num_kv_heads=2, head_dim=32, intermediate_size=256, memory_heads=2, memory_head_dim=16,
+                        memory_state_dim=16, vocab_size=64, target_hidden_size=128, target_layers=[0, 1])
+    drafter = new_drafter(cfg, target, dtype=torch.bfloat16).eval()
+    with torch.no_grad():  # livelier than the zero-initialised defaults, so every branch matters
+        for p in drafter.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    drafter.pack_for_inference()
+    return drafter
+
+
+@pytest.mark.parametrize("variant", ["hyflash", "swa"])
+def test_native_drafter_commits_and_drafts_as_the_torch_state(variant):
+    target = bf16_llama(seed=2)
+    drafter = _bf16_drafter(target, variant)
+    ids = torch.randint(1, 63, (40,), generator=torch.Generator().manual_seed(2))
+    feats = target.forward(ids, target.new_cache(64)).features
+    states = {}
+    for native in (True, False):
+        state = DrafterState(drafter)
+        assert state.native is not None
+        if not native:
+            state.native = None
+        state.commit(feats[:10])  # > 16 rows would take the torch path; 10 and then blocks of 3: the C++ one
+        logits = []
+        for i in range(10, 40, 3):  # the window of 6 wraps several times
+            state.commit(feats[i:i + 3])
+            logits.append(state.draft_logits(int(ids[i])))
+        states[native] = (state, logits)
+    (a, la), (b, lb) = states[True], states[False]
+    assert a.n == b.n == 40
+    for x, y in zip(la, lb):
+        assert _close(x, y)
+    for x, y in zip(a.memories, b.memories):
+        assert _close(x, y, 1e-2)
+    for wa, wb in zip(a.windows, b.windows):
+        assert _close(wa.k, wb.k) and _close(wa.v, wb.v)
+
+
+def test_bf16_speculative_greedy_output_equals_plain_decoding_on_the_native_path():
+    target = bf16_llama(seed=3)
+    drafter = _bf16_drafter(target, window=8)
+    prompt = torch.randint(1, 63, (12,), generator=torch.Generator().manual_seed(3)).tolist()
+    plain = generate(target, prompt, None, max_new_tokens=40).token_ids
+    for proposer in (HyFlashProposer(drafter), HyFlashProposer(drafter, tree=6), NgramProposer(block_size=5)):
+        assert generate(target, prompt, proposer, max_new_tokens=40).token_ids == plain
+
+
+@pytest.mark.slow
+def test_smollm2_bf16_speculative_output_is_token_identical_to_plain():
+    from hyflash.data.sources import SOURCES
+    from hyflash.proposers import load_proposer
+    from hyflash.target import Target
+
+    target = Target.load("smollm2-135m", dtype="bf16", fast=True)
+    assert target.lean.native is not None
+    prompts = [target.encode(q["turns"][0]) for q in list(SOURCES["mtbench"].read())[:3]]
+    drafters = [load_proposer(spec, target) for spec in ("auto", "auto#0", "ngram+auto")]
+    for ids in prompts:
+        plain = generate(target, ids, None, max_new_tokens=64).token_ids
+        for proposer in drafters:
+            assert generate(target, ids, proposer, max_new_tokens=64).token_ids == plain
+
+
+def test_native_keep_path_moves_the_same_entries_as_the_torch_gather():
+    from hyflash.fast import StaticCache
+
+    caches = [StaticCache(3, 2, 32, 40, torch.bfloat16) for _ in range(2)]
+    g = torch.Generator().manual_seed(4)
+    for i, buf in enumerate(caches[0].k + caches[0].v):
+        buf.copy_(torch.randn(buf.shape, generator=g))
+        (caches[1].k + caches[1].v)[i].copy_(buf)
+    caches[1].native = False
+    assert caches[0].native
+    for c in caches:
+        c.length = 20
+        c.keep_path(10, [0, 2, 3, 7, 9])
+    assert caches[0].length == caches[1].length == 15
+    assert all(torch.equal(a, b) for a, b in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v))
