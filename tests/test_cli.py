@@ -66,6 +66,7 @@ def test_shipped_drafter_is_the_default_and_lossless(smollm2_fp32):
     plain = generate(smollm2_fp32, ids, None, max_new_tokens=40)
     spec = generate(smollm2_fp32, ids, proposer, max_new_tokens=40)
     assert spec.token_ids == plain.token_ids and spec.stats.acceptance_length > 1.0
-    proc = hyflash("generate", "Name two fruits.", "--json", "--max-new-tokens", "12")  # --drafter auto
+    proc = hyflash("generate", "Name two fruits.", "--json", "--max-new-tokens", "12")  # the default drafter
     assert proc.returncode == 0 and "no drafter shipped" not in proc.stderr
-    assert json.loads(proc.stdout)["stats"]["drafter_state_bytes"] > 0
+    stats = json.loads(proc.stdout)["stats"]
+    assert stats["drafter"] == "ngram+auto" and stats["drafter_state_bytes"] > 0

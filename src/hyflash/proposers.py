@@ -17,10 +17,11 @@ from hyflash.drafter import model as drafter_model
 from hyflash.drafter.state import DrafterState
 
 SHIPPED = Path(__file__).resolve().parent / "checkpoints"
-# Candidate nodes a drafter sends when decoding greedily on a target that verifies trees, unless its spec says #N:
-# on MT-Bench with the shipped drafter, 12 raised τ from 1.52 to 1.75 and was the fastest of 0 (a chain), 12 and 16
-# (benchmarks/RESULTS.md).
-DEFAULT_TREE = 12
+# Candidate nodes a drafter sends when decoding greedily on a target that verifies trees, unless its spec says #N.
+# On MT-Bench with the shipped drafter (80 first turns, our native engine, 2026-11-30, benchmarks/RESULTS.md): trees of
+# 12, 6 and 4 nodes gave τ 1.75, 1.70, 1.66 and 1.05x, 1.14x, 1.18x plain decoding; once verifying costs little more
+# than a plain step, the smaller tree's cheaper round wins (2 and 3 nodes tied with 4 on 8 prompts, at lower τ).
+DEFAULT_TREE = 4
 
 
 class NgramProposer:
