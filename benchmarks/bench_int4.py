@@ -10,11 +10,10 @@ The weights are far larger than the caches, so each pass streams them from memor
 """
 
 import argparse
-import time
 
 import torch
 
-from common import machine_line, median
+from common import machine_line, time_median
 from hyflash.packed import PackedLinear
 from hyflash.target import Target
 
@@ -68,13 +67,7 @@ def main():
         x = {k: torch.randn(m, k, generator=g).to(torch.bfloat16) for k in {k for _, k in shapes}}
         times = {}
         for name, fn in (("bf16", run16), ("int4", run4)):
-            fn(x)  # warm-up
-            ts = []
-            for _ in range(args.repeats):
-                t0 = time.perf_counter()
-                fn(x)
-                ts.append(time.perf_counter() - t0)
-            times[name] = median(ts)
+            times[name] = time_median(lambda: fn(x), args.repeats)
         print(f"{m:>6}  {1e3 * times['bf16']:>8.1f}  {1e3 * times['int4']:>8.1f}  "
               f"{times['int4'] / times['bf16']:>8.2f}x  {bytes16 / times['bf16'] / 1e9:>9.1f}  "
               f"{bytes4 / times['int4'] / 1e9:>9.1f}")

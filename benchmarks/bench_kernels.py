@@ -8,12 +8,11 @@ larger than the caches, so each pass streams them from memory, as decoding does.
 """
 
 import argparse
-import time
 
 import torch
 
 from bench_int4 import linear_shapes
-from common import machine_line, median
+from common import machine_line, time_median
 from hyflash import kernels
 from hyflash.target import Target
 
@@ -53,13 +52,7 @@ def main():
         x = {k: torch.randn(m, k, generator=g).to(torch.bfloat16) for k in {k for _, k in shapes}}
         times = {}
         for name, fn in systems.items():
-            fn(x)  # warm-up
-            ts = []
-            for _ in range(args.repeats):
-                t0 = time.perf_counter()
-                fn(x)
-                ts.append(time.perf_counter() - t0)
-            times[name] = median(ts)
+            times[name] = time_median(lambda: fn(x), args.repeats)
         line = f"{m:>6}  " + "  ".join(f"{1e3 * t:>9.1f}  {nbytes / t / 1e9:>11.1f}" for t in times.values())
         if "amx" in times:
             line += f"  {times['onednn'] / times['amx']:>13.2f}x"

@@ -245,23 +245,16 @@ torch::Tensor drafter_draft(torch::Tensor slots, std::vector<torch::Tensor> laye
     }
     auto o = amx_linear(cat, w[3]);
     const bf16* op = o.data_ptr<bf16>();
-    for (int64_t e = 0; e < S * g.d; e += 16) store16(hp + e, _mm512_add_ps(load16(hp + e), load16(op + e)));
+    add_into(hp, op, S * g.d);
     for (int64_t s = 0; s < S; ++s) norm_row(hp + s * g.d, w[8].data_ptr<float>(), x.data_ptr<bf16>() + s * g.d, g.d, g.eps);
     auto gu = amx_linear(x, w[4]);
     const int64_t inter = gu.size(1) / 2;
     TORCH_CHECK(inter % 16 == 0, "drafter: the MLP width must be a multiple of 16");
     auto act = torch::empty({S, inter}, opt);
-    const bf16* gp = gu.data_ptr<bf16>();
-    bf16* ap = act.data_ptr<bf16>();
-    for (int64_t s = 0; s < S; ++s)
-      for (int64_t e = 0; e < inter; e += 16) {
-        const __m512 gt = load16(gp + s * 2 * inter + e);
-        const __m512 sl = round_bf16(_mm512_div_ps(gt, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gt)))));
-        store16(ap + s * inter + e, _mm512_mul_ps(sl, load16(gp + s * 2 * inter + inter + e)));
-      }
+    silu_mul(gu.data_ptr<bf16>(), act.data_ptr<bf16>(), S, inter);
     auto down = amx_linear(act, w[5]);
     const bf16* dp = down.data_ptr<bf16>();
-    for (int64_t e = 0; e < S * g.d; e += 16) store16(hp + e, _mm512_add_ps(load16(hp + e), load16(dp + e)));
+    add_into(hp, dp, S * g.d);
   }
   for (int64_t s = 0; s < S; ++s)
     norm_row(h.data_ptr<bf16>() + s * g.d, final_norm.data_ptr<float>(), x.data_ptr<bf16>() + s * g.d, g.d, g.eps);

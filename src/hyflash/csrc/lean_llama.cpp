@@ -40,9 +40,6 @@ void rope(bf16* x, const bf16* cos, const bf16* sin, int64_t hd) {
   for (int64_t e = 0; e < hd; e += 16) store16(x + e, out[e / 16]);
 }
 
-void add_into(bf16* h, const bf16* y, int64_t count) {  // h = bf16(h + y); count a multiple of 16
-  for (int64_t e = 0; e < count; e += 16) store16(h + e, _mm512_add_ps(load16(h + e), load16(y + e)));
-}
 
 }  // namespace
 
@@ -161,15 +158,8 @@ std::vector<torch::Tensor> llama_forward(
     auto gu = amx_linear(x, layers[6 * l + 4]);  // [n, 2 inter]
     const int64_t inter = gu.size(1) / 2;
     auto act = torch::empty({n, inter}, opt);
-    const bf16* gp = gu.data_ptr<bf16>();
-    bf16* ap = act.data_ptr<bf16>();
     TORCH_CHECK(inter % 16 == 0, "llama_forward: intermediate size must be a multiple of 16");
-    for (int64_t i = 0; i < n; ++i)  // silu(gate), rounded to bf16, times up, rounded to bf16
-      for (int64_t e = 0; e < inter; e += 16) {
-        const __m512 g = load16(gp + i * 2 * inter + e);
-        const __m512 act = round_bf16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
-        store16(ap + i * inter + e, _mm512_mul_ps(act, load16(gp + i * 2 * inter + inter + e)));
-      }
+    silu_mul(gu.data_ptr<bf16>(), act.data_ptr<bf16>(), n, inter);
     auto down = amx_linear(act, layers[6 * l + 5]);
     const bf16* dp = down.data_ptr<bf16>();
     add_into(hp, dp, n * d);

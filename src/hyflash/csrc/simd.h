@@ -42,6 +42,22 @@ inline void store16(bf16* p, __m512 x) {  // round to bf16 and store 16 values
 }
 
 
+inline void add_into(bf16* h, const bf16* y, int64_t count) {  // h = bf16(h + y); count a multiple of 16
+  for (int64_t e = 0; e < count; e += 16) store16(h + e, _mm512_add_ps(load16(h + e), load16(y + e)));
+}
+
+// The gated MLP's activation as torch computes it on bf16 tensors: silu(gate) rounded to bf16, times up, rounded
+// to bf16. gate_up [rows, 2 * inter] (gate | up), out [rows, inter]; inter a multiple of 16.
+inline void silu_mul(const bf16* gate_up, bf16* out, int64_t rows, int64_t inter) {
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t e = 0; e < inter; e += 16) {
+      const __m512 g = load16(gate_up + i * 2 * inter + e);
+      const __m512 neg = _mm512_sub_ps(_mm512_setzero_ps(), g);
+      const __m512 silu = round_bf16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(neg))));
+      store16(out + i * inter + e, _mm512_mul_ps(silu, load16(gate_up + i * 2 * inter + inter + e)));
+    }
+}
+
 // [sum(v[0]), ..., sum(v[15])]: sixteen horizontal sums at once (a transpose by shuffles, ~3 operations a sum
 // instead of a ~10-cycle dependent chain each)
 inline __m512 hsum16(const __m512* v) {
