@@ -4,7 +4,7 @@ the HyFlash drafter's commit and draft (drafter.cpp, used by ``drafter.state.Dra
 
 ``amx()`` returns the compiled module, or None where it cannot run — not x86-64 Linux, no AMX-BF16 in the CPU's flags,
 no C++ compiler, a failed build, or ``HYFLASH_KERNELS=0`` — and callers then use oneDNN (``hyflash.packed``). The
-build (about 30 s, once) goes to torch's extension cache (``TORCH_EXTENSIONS_DIR``, by default under ~/.cache).
+build (under a minute on 2 cores, once) goes to torch's extension cache (``TORCH_EXTENSIONS_DIR``, by default under ~/.cache).
 """
 
 from __future__ import annotations
@@ -12,10 +12,12 @@ from __future__ import annotations
 import functools
 import os
 import platform
+import sys
 import warnings
 from pathlib import Path
 
 CSRC = Path(__file__).resolve().parent / "csrc"
+NAME = "hyflash_amx_linear"
 
 
 def cpu_has_amx() -> bool:
@@ -35,9 +37,16 @@ def amx():
     if os.environ.get("HYFLASH_KERNELS", "1") == "0" or not cpu_has_amx():
         return None
     try:
+        from torch.utils import cpp_extension
         from torch.utils.cpp_extension import load
 
-        module = load(name="hyflash_amx_linear", sources=[str(CSRC / name) for name in ("amx_linear.cpp", "lean_llama.cpp", "drafter.cpp")],
+        try:  # say so when this is the one-time build rather than a load from the cache
+            built = (Path(cpp_extension._get_build_directory(NAME, verbose=False)) / f"{NAME}.so").exists()
+        except Exception:  # a private helper of torch's: its absence only costs the message
+            built = True
+        if not built:
+            print("hyflash: building our C++ kernels once (about a minute; HYFLASH_KERNELS=0 skips them)", file=sys.stderr)
+        module = load(name=NAME, sources=[str(CSRC / name) for name in ("amx_linear.cpp", "lean_llama.cpp", "drafter.cpp")],
                       extra_cflags=["-O3", "-mavx512f", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-fopenmp"],
                       extra_ldflags=["-fopenmp"], verbose=False)  # OpenMP: torch's own runtime and thread count
         if not module.init():
