@@ -1,10 +1,13 @@
-"""A lean forward of our own for Llama-architecture targets, with a preallocated (static) KV cache.
+"""A lean forward of our own for Llama and Gemma 3 targets, with a preallocated (static) KV cache.
 
 It reads the same weights as the transformers model (the fused q|k|v and gate|up matrices are copies, and in bf16
-every matrix is also kept once in oneDNN's packed layout, ``PackedLinear``) and computes the same function — RMSNorm in fp32 then back to the model dtype, RoPE from the model's own
-inverse frequencies, grouped-query attention by SDPA, SiLU-gated MLP — with a handful of tensor operations per
-layer and no per-step allocation of the cache: keys and values are written in place, and a rollback only moves
-the length. Used by ``Target`` when loaded with ``fast=True``.
+every matrix is also kept once packed, ``PackedLinear``: our AMX kernel's tiles, else oneDNN's layout) and computes
+the same function — RMSNorm in fp32 then back to the model dtype, RoPE from the model's own inverse frequencies,
+grouped-query attention by SDPA, SiLU-gated MLP — with a handful of tensor operations per layer and no per-step
+allocation of the cache: keys and values are written in place, and a rollback only moves the length. For Llama in
+bf16 on CPUs with AMX, forwards of up to 16 tokens run as one C++ call instead (``LeanLlama.native``,
+csrc/lean_llama.cpp), batch-invariant so that verifying k tokens gives each the bits of a single-token step. Used by
+``Target`` when loaded with ``fast=True``.
 """
 
 from __future__ import annotations
