@@ -52,25 +52,76 @@ def test_native_forward_matches_the_torch_lean_forward():
     assert _close(runs[True][1], runs[False][1])
 
 
-def test_native_forward_gives_each_token_the_bits_of_a_single_token_step():
+@pytest.mark.parametrize("start", [19, 126])  # 126: the new tokens straddle a chunk of the C++ attention (64 keys)
+def test_native_forward_gives_each_token_the_bits_of_a_single_token_step(start):
     target = bf16_llama(seed=1)
-    prompt = torch.randint(1, 63, (19,), generator=torch.Generator().manual_seed(1))
+    prompt = torch.randint(1, 63, (start,), generator=torch.Generator().manual_seed(1))
     block = [3, 14, 15, 9, 26, 5]
-    cache = target.new_cache(64)
+    cache = target.new_cache(160)
     target.forward(prompt, cache)
     together = target.forward(torch.tensor(block), cache)
-    k_together = [k[0, :, 19:25].clone() for k in cache.k]
-    target.rollback(cache, 19)
+    k_together = [k[0, :, start:start + 6].clone() for k in cache.k]
+    target.rollback(cache, start)
     one_by_one = [target.forward(torch.tensor([t]), cache) for t in block]
     assert torch.equal(together.logits, torch.cat([o.logits for o in one_by_one]))
     assert torch.equal(together.features, torch.cat([o.features for o in one_by_one]))
-    assert all(torch.equal(a, k[0, :, 19:25]) for a, k in zip(k_together, cache.k))
-    # a tree: each node's logits are its path's, run as a chain
-    target.rollback(cache, 19)
-    tree = target.forward(torch.tensor([3, 14, 40, 15, 41]), cache, parents=[0, 0, 1, 1])
-    target.rollback(cache, 19)
-    chain = target.forward(torch.tensor([3, 14, 41]), cache)  # nodes 0, 1, 4
-    assert torch.equal(tree.logits[[0, 1, 4]], chain.logits)
+    assert all(torch.equal(a, k[0, :, start:start + 6]) for a, k in zip(k_together, cache.k))
+    # trees: each node's logits are its path's, run as a chain — also when slots are not in depth order (the
+    # second tree's have depths 0, 1, 2, 1, 3) and when a node's slot and position fall in different chunks (the
+    # third's node 2, at slot 128 and position 127)
+    for parents, path in (([0, 0, 1, 1], [0, 1, 4]), ([0, 1, 0, 2], [0, 1, 2, 4]), ([0, 0, 2], [0, 2, 3])):
+        nodes = [3, 14, 40, 15, 41][: len(parents) + 1]
+        target.rollback(cache, start)
+        tree = target.forward(torch.tensor(nodes), cache, parents=parents)
+        target.rollback(cache, start)
+        chain = target.forward(torch.tensor([nodes[i] for i in path]), cache)
+        assert torch.equal(tree.logits[path], chain.logits)
+        target.rollback(cache, start)
+        steps = [target.forward(torch.tensor([nodes[i]]), cache).logits for i in path]
+        assert torch.equal(tree.logits[path], torch.cat(steps))
+
+
+@pytest.mark.parametrize("start", [5, 126, 200])
+def test_native_attention_gives_a_token_the_same_fp32_bits_alone_in_a_chain_and_in_a_tree(start):
+    """The C++ attention before its bf16 rounding (where a different summation would show): SmolLM2's geometry
+    (9 query heads over 3 kv heads of 64), keys chunked by position, trees whose slots and positions fall in
+    different chunks."""
+    amx = kernels.amx()
+    g = torch.Generator().manual_seed(start)
+    H, Hkv, hd, cap = 9, 3, 64, 240
+    k = torch.randn(Hkv, cap, hd, generator=g).to(torch.bfloat16)
+    v = torch.randn(Hkv, cap, hd, generator=g).to(torch.bfloat16)
+    nodes_q = torch.randn(6, H * hd, generator=g).mul(2).to(torch.bfloat16)
+    nodes_k = torch.randn(6, Hkv, hd, generator=g).to(torch.bfloat16)
+    nodes_v = torch.randn(6, Hkv, hd, generator=g).to(torch.bfloat16)
+
+    def attend(slots, parents):  # the nodes `slots` placed at start.. as a tree (parents) or a chain (None)
+        kk, vv = k.clone(), v.clone()
+        for i, s_ in enumerate(slots):
+            kk[:, start + i], vv[:, start + i] = nodes_k[s_], nodes_v[s_]
+        n = len(slots)
+        sees = torch.ones(n, n, dtype=torch.bool).tril() if parents is None else \
+            __import__("hyflash.fast", fromlist=["tree_mask"]).tree_mask(parents, start)[1]
+        return amx.llama_attention(nodes_q[slots].contiguous(), kk, vv, start, sees.contiguous(), H, hd ** -0.5)
+
+    for parents, path in (([0, 0, 1, 1], [0, 1, 4]), ([0, 1, 0, 2], [0, 1, 2, 4]), ([0, 0, 2], [0, 2, 3]),
+                          ([0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5])):
+        tree = attend(list(range(len(parents) + 1)), parents)
+        chain = attend(path, None)
+        assert torch.equal(tree[path], chain)
+        for depth in range(len(path)):  # each path node alone after its committed ancestors
+            alone = attend(path[: depth + 1], None)[depth]
+            assert torch.equal(chain[depth], alone)
+    # and the values are attention's
+    out = attend([0, 1, 2], None)
+    kk, vv = k.clone().float(), v.clone().float()
+    for i in range(3):
+        kk[:, start + i], vv[:, start + i] = nodes_k[i].float(), nodes_v[i].float()
+    q = nodes_q[:3].float().view(3, H, hd).transpose(0, 1)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q, kk[:, : start + 3].repeat_interleave(H // Hkv, 0), vv[:, : start + 3].repeat_interleave(H // Hkv, 0),
+        attn_mask=torch.ones(3, start + 3, dtype=torch.bool).tril(start), scale=hd ** -0.5)
+    assert torch.allclose(out.view(3, H, hd).transpose(0, 1), ref, atol=1e-4, rtol=1e-3)
 
 
 def _bf16_drafter(target, variant="hyflash", window=6):

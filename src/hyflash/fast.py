@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from hyflash import kernels
-from hyflash.packed import AMX_MAX_ROWS, PackedLinear
+from hyflash.packed import AMX_MAX_ROWS, PackedLinear, gather_on_huge_pages
 
 
 class StaticCache:
@@ -126,6 +126,7 @@ class LeanLlama:
         # our AMX kernel: the same computation and bf16 roundings as below, without ~1,500 small torch operations.
         self.native = None
         linears = [lin for layer in self.layers for lin in (layer[1], layer[2], layer[4], layer[5])] + [self.head]
+        gather_on_huge_pages(linears)
         if all(lin.amx is not None for lin in linears) and self.hd % 32 == 0 and self.H // self.Hkv <= 8 \
                 and self.inter % 16 == 0 and self.embed.shape[1] % 16 == 0:
             self.native = [t for (w_in, qkv, o, w_post, gu, down) in self.layers

@@ -6,12 +6,15 @@
 namespace hyflash {
 bool init();
 torch::Tensor pack(torch::Tensor w);
+torch::Tensor huge_empty(int64_t nbytes);
 torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed);
 std::vector<torch::Tensor> llama_forward(
     torch::Tensor ids, torch::Tensor embed, std::vector<torch::Tensor> layers, torch::Tensor final_norm,
     torch::Tensor head, std::vector<torch::Tensor> cache_k, std::vector<torch::Tensor> cache_v, int64_t start,
     torch::Tensor cos, torch::Tensor sin, torch::Tensor mask, int64_t heads, int64_t kv_heads, double eps,
     double scale, std::vector<int64_t> feature_layers);
+torch::Tensor llama_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t start, torch::Tensor mask,
+                              int64_t heads, double scale);
 void cache_keep(std::vector<torch::Tensor> ks, std::vector<torch::Tensor> vs, int64_t start, std::vector<int64_t> nodes);
 void drafter_commit(torch::Tensor feats, std::vector<torch::Tensor> glob, std::vector<torch::Tensor> layers,
                     std::vector<torch::Tensor> win_k, std::vector<torch::Tensor> win_v,

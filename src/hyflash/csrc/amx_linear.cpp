@@ -8,8 +8,10 @@
 // of drafted tokens costs about what one token does. Accumulation is fp32, the result is rounded to bf16 once.
 #include "amx.h"
 #include <immintrin.h>
+#include <sys/mman.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+#include <cstdlib>
 #include <ATen/Parallel.h>
 
 namespace {
@@ -56,6 +58,19 @@ torch::Tensor pack(torch::Tensor w) {  // out_features are padded with zero rows
   TORCH_CHECK(K % 32 == 0, "pack: in_features % 32 must be 0");
   auto full = padded == N ? w.contiguous() : torch::cat({w, w.new_zeros({padded - N, K})}, 0);
   return full.view({padded / 16, 16, K / 2, 2}).permute({0, 2, 1, 3}).contiguous();
+}
+
+// Uninitialised bytes on memory the kernel is asked to back with 2 MiB pages (transparent huge pages, "madvise"
+// mode), advised before the first touch. Packed weights copied there are streamed with ~500x fewer TLB misses:
+// a decoding step of SmolLM2 took ~5% less time in an interleaved comparison (2-core VM, 2026-11-30).
+torch::Tensor huge_empty(int64_t nbytes) {
+  TORCH_CHECK(nbytes > 0, "huge_empty: a positive size");
+  constexpr int64_t kHuge = int64_t{2} << 20;
+  const int64_t size = (nbytes + kHuge - 1) / kHuge * kHuge;
+  void* p = std::aligned_alloc(kHuge, size);
+  TORCH_CHECK(p != nullptr, "huge_empty: could not allocate ", size, " bytes");
+  madvise(p, size, MADV_HUGEPAGE);  // advice only: without THP the memory simply keeps 4 KiB pages
+  return torch::from_blob(p, {nbytes}, [](void* q) { std::free(q); }, torch::TensorOptions().dtype(torch::kUInt8));
 }
 
 torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed) {
@@ -116,8 +131,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace hyflash;
   m.def("init", &init, "ask the OS for AMX tile state; true when granted");
   m.def("pack", &pack, "reorder a bf16 weight [N, K] into AMX B tiles");
+  m.def("huge_empty", &huge_empty, "uninitialised bytes on memory advised for 2 MiB pages (packed weights)");
   m.def("linear", &amx_linear, "x [M<=16, K] bf16 @ w.T from pack(w) -> [M, N rounded up to 16] bf16");
   m.def("llama_forward", &llama_forward, "one forward of a Llama decoder over <= 16 new tokens (lean_llama.cpp)");
+  m.def("llama_attention", &llama_attention, "llama_forward's attention alone, in fp32 (tests; lean_llama.cpp)");
   m.def("cache_keep", &cache_keep, "keep a verified tree path in bf16 static-cache buffers (lean_llama.cpp)");
   m.def("drafter_commit", &drafter_commit, "fold <= 16 verified features into a drafter's state (drafter.cpp)");
   m.def("drafter_draft", &drafter_draft, "a drafter's block logits from its state (drafter.cpp)");

@@ -41,6 +41,197 @@ void rope(bf16* x, const bf16* cos, const bf16* sin, int64_t hd) {
 }
 
 
+
+// Attention of the new tokens' query heads over the cache, split into tasks of (kv head, chunk of kChunk keys) so
+// that both cores share even a single token's attention, with q·k on AMX tiles: a tile of 16 keys times one of up
+// to 16 query rows (a kv head's query heads for each new token) in one instruction per 32 dimensions.
+//
+// Batch invariance (a verified token gets the bits of a single-token step): keys are grouped into chunks by their
+// *logical* position — a cached key's index, a new token's start + its depth in the tree — so a token meets the
+// same keys in the same chunks in the same order whether it is verified alone, in a chain or in a tree (where a
+// node's ancestors sit at other slots than their positions). Each (query row, key) score is one AMX dot product,
+// independent of the other rows and keys in the tile; within a chunk, a row's maximum, exponentials, sum and
+// p·v run in key order with masked keys adding exact zeros; chunks are merged in order, skipping those where the
+// row sees nothing. Softmax and p·v are fp32, the output is rounded to bf16 once.
+constexpr int64_t kChunk = 64;
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+class Attention {
+ public:
+  Attention(int64_t n, int64_t start, int64_t H, int64_t Hkv, int64_t hd, float scale, const bool* mask)
+      : n_(n), start_(start), H_(H), Hkv_(Hkv), hd_(hd), group_(H / Hkv), scale_(scale), mask_(mask) {
+    R_ = n * group_;
+    RB_ = (R_ + 15) / 16;
+    depth_.resize(n);
+    int64_t deepest = 0;
+    for (int64_t i = 0; i < n; ++i) {  // a token sees its ancestors and itself: its depth is that count - 1
+      int64_t seen = 0;
+      for (int64_t j = 0; j < n; ++j) seen += mask[i * n + j];
+      depth_[i] = seen - 1;
+      deepest = std::max(deepest, depth_[i]);
+    }
+    chunks_ = (start + deepest) / kChunk + 1;
+    // which of a row block's 16 query rows see new token j: bit c for row rb * 16 + c
+    new_sees_.assign(RB_ * n, 0);
+    for (int64_t rb = 0; rb < RB_; ++rb)
+      for (int64_t c = 0; c < 16; ++c) {
+        const int64_t r = rb * 16 + c;
+        if (r >= R_) break;
+        for (int64_t j = 0; j < n; ++j)
+          if (mask[(r / group_) * n + j]) new_sees_[rb * n + j] |= static_cast<uint16_t>(1u << c);
+      }
+    qt_.resize(Hkv * RB_ * (hd / 32) * 512);
+    part_m_.resize(Hkv * chunks_ * RB_ * 16);
+    part_s_.resize(part_m_.size());
+    part_o_.resize(part_m_.size() * hd);
+  }
+
+  // q: the layer's qkv rows (stride `row` elements, queries first, rotated); keys/values of this layer's cache
+  void run(const bf16* q, int64_t row, const bf16* kc, const bf16* vc, int64_t cap, bf16* out, float* out32 = nullptr) {
+    transpose_queries(q, row);
+    at::parallel_for(0, Hkv_ * chunks_, 1, [&](int64_t first, int64_t last) {
+      TileConfig cfg;
+      for (int t = 0; t < 3; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+      _tile_loadconfig(&cfg);
+      for (int64_t task = first; task < last; ++task) chunk(task / chunks_, task % chunks_, kc, vc, cap);
+      _tile_release();
+    });
+    at::parallel_for(0, Hkv_ * R_, 1, [&](int64_t first, int64_t last) {
+      for (int64_t t = first; t < last; ++t) merge(t / R_, t % R_, out, out32);
+    });
+  }
+
+ private:
+  // B tiles of the queries: for kv head, row block rb and 32 dimensions h, 16 rows of pairs x 16 query rows
+  void transpose_queries(const bf16* q, int64_t row) {
+    const auto* q32 = reinterpret_cast<const uint32_t*>(q);
+    auto* t32 = reinterpret_cast<uint32_t*>(qt_.data());
+    const int64_t halves = hd_ / 32;
+    for (int64_t kv = 0; kv < Hkv_; ++kv)
+      for (int64_t rb = 0; rb < RB_; ++rb)
+        for (int64_t h = 0; h < halves; ++h) {
+          uint32_t* tile = t32 + ((kv * RB_ + rb) * halves + h) * 256;
+          for (int64_t c = 0; c < 16; ++c) {
+            const int64_t r = rb * 16 + c;
+            const uint32_t* src = r < R_ ? q32 + ((r / group_) * row + (kv * group_ + r % group_) * hd_) / 2 + 16 * h
+                                         : nullptr;
+            for (int64_t p = 0; p < 16; ++p) tile[p * 16 + c] = src ? src[p] : 0u;
+          }
+        }
+  }
+
+  void chunk(int64_t kv, int64_t c, const bf16* kc, const bf16* vc, int64_t cap) {
+    const int64_t lo = c * kChunk, hi = lo + kChunk, halves = hd_ / 32;
+    const bf16* kb = kc + kv * cap * hd_;
+    const bf16* vb = vc + kv * cap * hd_;
+    int64_t keys[kChunk + 16];  // physical slots in logical order
+    int64_t count = 0, cached = 0;
+    for (int64_t j = lo; j < std::min(hi, start_); ++j) keys[count++] = j;
+    cached = count;
+    for (int64_t j = 0; j < n_; ++j)
+      if (start_ + depth_[j] >= lo && start_ + depth_[j] < hi) keys[count++] = start_ + j;
+    const int64_t blocks = (count + 15) / 16;
+    alignas(64) float score[(kChunk + 16) * 16];
+    alignas(64) bf16 gathered[16 * 256];
+    for (int64_t rb = 0; rb < RB_; ++rb) {
+      const uint16_t valid = static_cast<uint16_t>(R_ - rb * 16 >= 16 ? 0xFFFF : (1u << (R_ - rb * 16)) - 1);
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t k0 = keys[16 * b], in_block = std::min<int64_t>(16, count - 16 * b);
+        const bool direct = in_block == 16 && keys[16 * b + 15] == k0 + 15 && k0 + 16 <= cap;
+        const bf16* a = kb + k0 * hd_;
+        if (!direct) {  // the chunk's last keys or new tokens out of slot order: copy them, zeros after
+          std::memset(gathered, 0, sizeof(bf16) * 16 * hd_);
+          for (int64_t u = 0; u < in_block; ++u)
+            std::memcpy(gathered + u * hd_, kb + keys[16 * b + u] * hd_, sizeof(bf16) * hd_);
+          a = gathered;
+        }
+        _tile_zero(0);
+        for (int64_t h = 0; h < halves; ++h) {
+          _tile_loadd(1, a + 32 * h, hd_ * sizeof(bf16));
+          _tile_loadd(2, qt_.data() + ((kv * RB_ + rb) * halves + h) * 512, 64);
+          _tile_dpbf16ps(0, 1, 2);
+        }
+        _tile_stored(0, score + 16 * b * 16, 64);
+      }
+      // per query row (a lane): the chunk's maximum, exponentials and their sum, in key order
+      const __m512 scale = _mm512_set1_ps(scale_);
+      __m512 best = _mm512_set1_ps(-INFINITY);
+      for (int64_t k = 0; k < count; ++k) {
+        const __mmask16 sees = k < cached ? valid : new_sees_[rb * n_ + (keys[k] - start_)];
+        const __m512 s = _mm512_mul_ps(_mm512_load_ps(score + k * 16), scale);
+        _mm512_store_ps(score + k * 16, s);
+        best = _mm512_mask_max_ps(best, sees, best, s);
+      }
+      __m512 total = _mm512_setzero_ps();
+      for (int64_t k = 0; k < count; ++k) {
+        const __mmask16 sees = k < cached ? valid : new_sees_[rb * n_ + (keys[k] - start_)];
+        const __m512 p = _mm512_maskz_mov_ps(sees, exp16(_mm512_sub_ps(_mm512_load_ps(score + k * 16), best)));
+        _mm512_store_ps(score + k * 16, p);
+        total = _mm512_add_ps(total, p);
+      }
+      const int64_t slot = (kv * chunks_ + c) * RB_ * 16 + rb * 16;
+      _mm512_storeu_ps(&part_m_[slot], best);
+      _mm512_storeu_ps(&part_s_[slot], total);
+      // p·v, four query rows at a time (16 accumulators for hd 64; up to 4 x 16 for hd 256 in chunks of 64)
+      for (int64_t r0 = 0; r0 < 16 && rb * 16 + r0 < R_; r0 += 4)
+        for (int64_t e0 = 0; e0 < hd_; e0 += 64) {
+          const int ne = static_cast<int>(std::min<int64_t>(4, (hd_ - e0) / 16));  // 4, or 2 for the last 32
+          __m512 o[4][4];
+          for (auto& orow : o) for (auto& x : orow) x = _mm512_setzero_ps();
+          for (int64_t k = 0; k < count; ++k) {
+            const bf16* v = vb + keys[k] * hd_ + e0;
+            __m512 vv[4];
+            for (int e = 0; e < ne; ++e) vv[e] = load16(v + 16 * e);
+            for (int u = 0; u < 4; ++u) {
+              const __m512 p = _mm512_set1_ps(score[k * 16 + r0 + u]);
+              for (int e = 0; e < ne; ++e) o[u][e] = _mm512_fmadd_ps(p, vv[e], o[u][e]);
+            }
+          }
+          for (int u = 0; u < 4; ++u)
+            for (int e = 0; e < ne; ++e) _mm512_storeu_ps(&part_o_[(slot + r0 + u) * hd_ + e0 + 16 * e], o[u][e]);
+        }
+    }
+  }
+
+  // a query row's chunks merged in order: out = sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) s_c
+  void merge(int64_t kv, int64_t r, bf16* out, float* out32) {
+    const int64_t stride = RB_ * 16;
+    float best = -INFINITY;
+    for (int64_t c = 0; c < chunks_; ++c) best = std::max(best, part_m_[(kv * chunks_ + c) * stride + r]);
+    __m512 o[16];
+    for (int64_t e = 0; e < hd_ / 16; ++e) o[e] = _mm512_setzero_ps();
+    float total = 0.f;
+    for (int64_t c = 0; c < chunks_; ++c) {
+      const int64_t slot = (kv * chunks_ + c) * stride + r;
+      if (part_m_[slot] == -INFINITY) continue;  // the row sees no key of this chunk
+      const __m512 f = exp16(_mm512_set1_ps(part_m_[slot] - best));
+      total += part_s_[slot] * _mm512_cvtss_f32(f);
+      for (int64_t e = 0; e < hd_ / 16; ++e) o[e] = _mm512_fmadd_ps(f, _mm512_loadu_ps(&part_o_[slot * hd_ + 16 * e]), o[e]);
+    }
+    const int64_t at = (r / group_) * H_ * hd_ + (kv * group_ + r % group_) * hd_;
+    const __m512 inv = _mm512_set1_ps(1.f / total);
+    for (int64_t e = 0; e < hd_ / 16; ++e) {
+      if (out32 != nullptr) _mm512_storeu_ps(out32 + at + 16 * e, _mm512_mul_ps(o[e], inv));
+      else store16(out + at + 16 * e, _mm512_mul_ps(o[e], inv));
+    }
+  }
+
+  int64_t n_, start_, H_, Hkv_, hd_, group_, R_, RB_, chunks_;
+  float scale_;
+  const bool* mask_;
+  std::vector<int64_t> depth_;
+  std::vector<uint16_t> new_sees_;
+  std::vector<bf16> qt_;  // query B tiles (uint32 pairs viewed as bf16)
+  std::vector<float> part_m_, part_s_, part_o_;
+};
+
 }  // namespace
 
 std::vector<torch::Tensor> llama_forward(
@@ -65,6 +256,7 @@ std::vector<torch::Tensor> llama_forward(
   const bool* mk = mask.data_ptr<bool>();
   const bf16* cs = cos.data_ptr<bf16>();
   const bf16* sn = sin.data_ptr<bf16>();
+  Attention attention(n, start, H, Hkv, hd, scale, mk);
 
   for (int64_t l = 0; l < L; ++l) {
     const auto& w_in = layers[6 * l];
@@ -83,73 +275,7 @@ std::vector<torch::Tensor> llama_forward(
         std::memcpy(vc + (a * cap + start + i) * hd, r + (H + Hkv + a) * hd, hd * sizeof(bf16));
       }
     }
-    bf16* out = attn.data_ptr<bf16>();
-    // one task per (kv head, new token), covering the kv head's `group` query heads (each value is read once for
-    // them); q·k by bf16 dot products with fp32 accumulation, 16 keys at a time; softmax and p·v in fp32
-    at::parallel_for(0, Hkv * n, 1, [&](int64_t first, int64_t last) {
-      std::vector<float> score(group * end);
-      for (int64_t t = first; t < last; ++t) {
-        const int64_t kv = t / n, i = t % n;
-        const bf16* kb = kc + kv * cap * hd;
-        const bf16* vb = vc + kv * cap * hd;
-        __m512i q[kMaxGroup][8];
-        for (int64_t g = 0; g < group; ++g)
-          for (int64_t e = 0; e < hd / 32; ++e)
-            q[g][e] = _mm512_loadu_si512(qp + i * row + (kv * group + g) * hd + 32 * e);
-        // scores of every key 0..end-1 (16 at a time), then the mask: -inf where a new token may not look
-        float best[kMaxGroup];
-        for (int64_t g = 0; g < group; ++g) {
-          float* sg = &score[g * end];
-          // every key through the same instructions wherever it falls (a block of 16 or the last, partial one),
-          // so a token's result does not depend on how many tokens are verified together
-          for (int64_t j = 0; j < end; j += 16) {
-            const int64_t count = std::min<int64_t>(16, end - j);
-            __m512 acc[16];
-            for (int64_t u = 0; u < 16; ++u) {
-              acc[u] = _mm512_setzero_ps();
-              if (u >= count) continue;
-              for (int64_t e = 0; e < hd / 32; ++e)
-                acc[u] = _mm512_dpbf16_ps(acc[u], (__m512bh)q[g][e], (__m512bh)_mm512_loadu_si512(kb + (j + u) * hd + 32 * e));
-            }
-            _mm512_mask_storeu_ps(sg + j, static_cast<__mmask16>((1u << count) - 1),
-                                  _mm512_mul_ps(hsum16(acc), _mm512_set1_ps(scale)));
-          }
-          int64_t j;
-          for (j = start; j < end; ++j)
-            if (!mk[i * n + (j - start)]) sg[j] = -INFINITY;
-          best[g] = -INFINITY;  // a maximum is exact in any order
-          for (j = 0; j < end; ++j) best[g] = std::max(best[g], sg[j]);
-        }
-        float total[kMaxGroup];
-        for (int64_t g = 0; g < group; ++g) {
-          float* sg = &score[g * end];
-          for (int64_t j = 0; j < end; j += 16) {
-            const __mmask16 lanes = static_cast<__mmask16>((1u << std::min<int64_t>(16, end - j)) - 1);
-            const __m512 x = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), lanes, sg + j);
-            _mm512_mask_storeu_ps(sg + j, lanes, exp16(_mm512_sub_ps(x, _mm512_set1_ps(best[g]))));
-          }
-          total[g] = 0.f;  // in key order: masked keys add exact zeros
-          for (int64_t j = 0; j < end; ++j) total[g] += sg[j];
-        }
-        __m512 o[kMaxGroup][16];
-        for (int64_t g = 0; g < group; ++g)
-          for (int64_t e = 0; e < hd / 16; ++e) o[g][e] = _mm512_setzero_ps();
-        for (int64_t j = 0; j < end; ++j) {
-          if (j >= start && !mk[i * n + (j - start)]) continue;
-          __m512 vv[16];
-          for (int64_t e = 0; e < hd / 16; ++e) vv[e] = load16(vb + j * hd + 16 * e);
-          for (int64_t g = 0; g < group; ++g) {
-            const __m512 p = _mm512_set1_ps(score[g * end + j]);
-            for (int64_t e = 0; e < hd / 16; ++e) o[g][e] = _mm512_fmadd_ps(p, vv[e], o[g][e]);
-          }
-        }
-        for (int64_t g = 0; g < group; ++g) {
-          bf16* dst = out + i * H * hd + (kv * group + g) * hd;
-          const __m512 inv = _mm512_set1_ps(1.f / total[g]);
-          for (int64_t e = 0; e < hd / 16; ++e) store16(dst + 16 * e, _mm512_mul_ps(o[g][e], inv));
-        }
-      }
-    });
+    attention.run(qp, row, kc, vc, cap, attn.data_ptr<bf16>());
     auto o = amx_linear(attn, layers[6 * l + 2]);  // [n, d]
     bf16* hp = h.data_ptr<bf16>();
     const bf16* op = o.data_ptr<bf16>();
@@ -175,6 +301,22 @@ std::vector<torch::Tensor> llama_forward(
     features = torch::cat(parts, 1);
   }
   return std::vector<torch::Tensor>{logits, features};
+}
+
+// The attention of llama_forward alone, before its rounding to bf16 (for tests of its batch invariance):
+// q [n, H * hd] bf16 (rotated), k/v caches [Hkv, cap, hd] holding the new tokens' entries at start.., mask [n, n]
+torch::Tensor llama_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t start, torch::Tensor mask,
+                              int64_t H, double scale) {
+  const int64_t n = q.size(0), Hkv = k.size(0), cap = k.size(1), hd = k.size(2);
+  TORCH_CHECK(q.scalar_type() == torch::kBFloat16 && k.scalar_type() == torch::kBFloat16 && q.is_contiguous()
+              && k.is_contiguous() && v.is_contiguous() && q.size(1) == H * hd && hd % 32 == 0 && hd <= 256
+              && H % Hkv == 0 && n >= 1 && n <= 16 && start + n <= cap, "llama_attention: unsupported arguments");
+  TORCH_CHECK(mask.scalar_type() == torch::kBool && mask.size(0) == n && mask.size(1) == n && mask.is_contiguous());
+  auto out = torch::empty({n, H * hd}, q.options().dtype(torch::kFloat32));
+  Attention attention(n, start, H, Hkv, hd, static_cast<float>(scale), mask.data_ptr<bool>());
+  attention.run(q.data_ptr<bf16>(), H * hd, k.data_ptr<bf16>(), v.data_ptr<bf16>(), cap, nullptr,
+                out.data_ptr<float>());
+  return out;
 }
 
 // StaticCache.keep_path: the entries at start + nodes[i] move to start + i (nodes ascending, nodes[0] = 0; a source

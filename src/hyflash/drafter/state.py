@@ -14,7 +14,7 @@ from hyflash import kernels
 from hyflash.drafter import memory as mem
 from hyflash.drafter.attention import rope_tables
 from hyflash.drafter.model import HyFlashDrafter, _state_dtype
-from hyflash.packed import PackedLinear
+from hyflash.packed import PackedLinear, gather_on_huge_pages
 
 
 class KVWindow:
@@ -104,6 +104,9 @@ class _NativeWeights:
         fuse = PackedLinear(drafter.fuse.weight)
         if fuse.amx is None:
             return None
+        # in the order a round reads them: commit (fuse, the layers' writes), then draft (the layers, the head)
+        gather_on_huge_pages([fuse] + [w.write for w in weights]
+                             + [lin for w in weights for lin in (w.read, w.out, w.gate_up, w.down)] + [head])
         return _NativeWeights(drafter, weights, module, fuse)
 
     def __init__(self, drafter, weights, module, fuse):
