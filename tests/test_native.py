@@ -124,6 +124,19 @@ def test_native_attention_gives_a_token_the_same_fp32_bits_alone_in_a_chain_and_
     assert torch.allclose(out.view(3, H, hd).transpose(0, 1), ref, atol=1e-4, rtol=1e-3)
 
 
+def test_native_forward_returns_each_rows_argmax_and_checks_the_tree():
+    target = bf16_llama(seed=4)
+    cache = target.new_cache(64)
+    target.forward(torch.randint(1, 63, (10,), generator=torch.Generator().manual_seed(4)), cache)
+    for ids, parents in ((torch.tensor([5]), None), (torch.tensor([7, 8, 9]), None),
+                         (torch.tensor([3, 14, 40, 15]), [0, 0, 2])):
+        out = target.forward(ids, cache, parents=parents)
+        assert out.top is not None and torch.equal(out.top, out.logits.max(-1).indices)
+        target.rollback(cache, 10)
+    with pytest.raises(RuntimeError, match="parent"):
+        target.lean.forward(torch.tensor([1, 2, 3]), cache, None, parents=[0, 2])
+
+
 def _bf16_drafter(target, variant="hyflash", window=6):
     torch.manual_seed(0)
     cfg = DrafterConfig(variant=variant, num_layers=2, block_size=4, window=window, hidden_size=128, num_heads=4,
@@ -205,3 +218,17 @@ def test_native_keep_path_moves_the_same_entries_as_the_torch_gather():
         c.keep_path(10, [0, 2, 3, 7, 9])
     assert caches[0].length == caches[1].length == 15
     assert all(torch.equal(a, b) for a, b in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v))
+
+
+def test_top_probs_are_softmax_topk():
+    g = torch.Generator().manual_seed(5)
+    logits = (torch.randn(7, 8192, generator=g) * 3).to(torch.bfloat16)
+    logits[2, 10] = logits[2, 20] = logits[2].max() + 1  # a tie: the lower index first
+    probs, index = kernels.amx().top_probs(logits, 3)
+    ref = logits.float().softmax(-1)
+    assert torch.equal(index[2, :2], torch.tensor([10, 20]))
+    assert torch.equal(ref.gather(-1, index), ref.gather(-1, ref.topk(3, dim=-1).indices))  # the same 3 values
+    assert torch.allclose(probs, ref.gather(-1, index), rtol=1e-5, atol=1e-7)
+    assert (probs[:, :-1] >= probs[:, 1:]).all()
+    probs32, index32 = kernels.amx().top_probs(logits.float(), 3)
+    assert torch.equal(index32, index) and torch.equal(probs32, probs)

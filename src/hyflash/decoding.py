@@ -167,11 +167,13 @@ class GenerationResult:
 
 
 def verify_block(logits: torch.Tensor, draft: Draft, sampling: SamplingConfig,
-                 coin_gen: torch.Generator, sample_gen: torch.Generator) -> tuple[int, int]:
+                 coin_gen: torch.Generator, sample_gen: torch.Generator,
+                 top: torch.Tensor | None = None) -> tuple[int, int]:
     """Exact acceptance of a drafted block. ``logits`` [K+1, V]: row i is the target's prediction after
-    [anchor, d_1..d_i]. Returns (number of accepted drafts m, the target's token after them)."""
+    [anchor, d_1..d_i]; ``top``: their argmaxes when the engine computed them. Returns (number of accepted drafts
+    m, the target's token after them)."""
     if sampling.greedy:  # accept while the draft equals the target's argmax; one reduction, no [K+1, V] copies
-        top = logits.max(-1).indices.tolist()  # the first maximal index, as argmax
+        top = (logits.max(-1).indices if top is None else top).tolist()  # the first maximal index, as argmax
         m = 0
         while m < len(draft.tokens) and draft.tokens[m] == top[m]:
             m += 1
@@ -190,11 +192,12 @@ def verify_block(logits: torch.Tensor, draft: Draft, sampling: SamplingConfig,
     return len(draft.tokens), int(torch.multinomial(p[len(draft.tokens)], 1, generator=sample_gen))
 
 
-def verify_tree(logits: torch.Tensor, draft: Draft) -> tuple[list[int], int]:
+def verify_tree(logits: torch.Tensor, draft: Draft, top: torch.Tensor | None = None) -> tuple[list[int], int]:
     """Greedy acceptance over a tree of candidates: from the anchor, follow the child that equals the target's
-    argmax while there is one. ``logits`` [n+1, V] row i: the prediction after the path to node i (0: the anchor).
-    Returns (accepted nodes, 1-based, in order; the target's token after the last of them)."""
-    top = logits.max(-1).indices.tolist()
+    argmax while there is one. ``logits`` [n+1, V] row i: the prediction after the path to node i (0: the anchor);
+    ``top``: their argmaxes when the engine computed them. Returns (accepted nodes, 1-based, in order; the
+    target's token after the last of them)."""
+    top = (logits.max(-1).indices if top is None else top).tolist()
     children: dict[int, dict[int, int]] = {}
     for i, p in enumerate(draft.parents, start=1):
         children.setdefault(p, {}).setdefault(draft.tokens[i - 1], i)
@@ -294,11 +297,11 @@ def generate(target, prompt_ids: list[int], proposer: Proposer | None = None, ma
         out = target.forward(torch.tensor([anchor] + draft.tokens), cache, features=proposer.needs_features,
                              parents=draft.parents)
         if draft.parents is None:
-            m, bonus = verify_block(out.logits, draft, sampling, coin_gen, sample_gen)
+            m, bonus = verify_block(out.logits, draft, sampling, coin_gen, sample_gen, out.top)
             target.rollback(cache, committed + m + 1)
             kept, rows = draft.tokens[:m], slice(0, m + 1)
         else:  # the accepted path's keys/values move up to follow the committed ones; the other branches go
-            path, bonus = verify_tree(out.logits, draft)
+            path, bonus = verify_tree(out.logits, draft, out.top)
             target.keep_path(cache, committed, [0] + path)
             m, kept, rows = len(path), [draft.tokens[i - 1] for i in path], [0] + path
         t2 = time.perf_counter()

@@ -128,7 +128,7 @@ class LeanLlama:
         linears = [lin for layer in self.layers for lin in (layer[1], layer[2], layer[4], layer[5])] + [self.head]
         gather_on_huge_pages(linears)
         if all(lin.amx is not None for lin in linears) and self.hd % 32 == 0 and self.H // self.Hkv <= 8 \
-                and self.inter % 16 == 0 and self.embed.shape[1] % 16 == 0:
+                and self.inter % 16 == 0 and self.embed.shape[1] % 16 == 0 and self.head.out_features % 16 == 0:
             self.native = [t for (w_in, qkv, o, w_post, gu, down) in self.layers
                            for t in (w_in.contiguous(), qkv.amx, o.amx, w_post.contiguous(), gu.amx, down.amx)]
 
@@ -152,7 +152,8 @@ class LeanLlama:
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, cache: StaticCache, feature_layers: list[int] | None,
                 parents: list[int] | None = None):
-        """ids [n] after cache.length cached tokens → (fp32 logits [n, V], features [n, F] or None).
+        """ids [n] after cache.length cached tokens → (fp32 logits [n, V], features [n, F] or None, each row's
+        argmax [n] int64 where the C++ forward computed it, else None).
         ``parents``: the new tokens form a tree (token i follows token parents[i − 1] < i; token 0 follows the
         cache), each sees the cache and its own ancestors, at position start + its depth; None: a chain."""
         n = ids.shape[0]
@@ -197,7 +198,7 @@ class LeanLlama:
         logits = self.head(self._norm(h, self.final_norm)).float()
         features = torch.cat([feats[sorted(keep).index(i)] for i in feature_layers], dim=-1) if feature_layers \
             else None
-        return logits, features
+        return logits, features, None
 
 
     def _rope_table(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -213,18 +214,13 @@ class LeanLlama:
 
     def _native_forward(self, ids, cache, feature_layers, parents, start, end):
         n = end - start
-        if parents is None:
-            positions, sees = torch.arange(start, end), torch.ones(n, n, dtype=torch.bool).tril()
-        else:
-            positions, sees = tree_mask(parents, start)
-        cos, sin = self._rope_table(end)
-        cos, sin = cos[positions], sin[positions]
-        logits, features = kernels.amx().llama_forward(
+        cos, sin = self._rope_table(end)  # the C++ side reads the rows of positions start + depth
+        logits, features, top = kernels.amx().llama_forward(
             ids.long().contiguous(), self.embed, self.native, self.final_norm, self.head.amx, cache.k, cache.v, start,
-            cos.contiguous(), sin.contiguous(), sees.contiguous(), self.H, self.Hkv, self.eps, self.scale,
-            list(feature_layers or []))
+            cos, sin, list(range(n - 1)) if parents is None else list(parents), self.H, self.Hkv, self.eps,
+            self.scale, list(feature_layers or []))
         cache.length = end
-        return logits, (features if feature_layers else None)
+        return logits, (features if feature_layers else None), top
 
 
 class LeanGemma3:
@@ -282,7 +278,8 @@ class LeanGemma3:
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, cache: StaticCache, feature_layers: list[int] | None):
-        """ids [n] after cache.length cached tokens → (fp32 logits [n, V], features [n, F] or None)."""
+        """ids [n] after cache.length cached tokens → (fp32 logits [n, V], features [n, F] or None, each row's
+        argmax [n] int64 where the C++ forward computed it, else None)."""
         n = ids.shape[0]
         start, end = cache.span(n)
         h = F.embedding(ids, self.embed) * self.embed_scale.to(self.embed.dtype)
@@ -324,4 +321,4 @@ class LeanGemma3:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         features = torch.cat([feats[sorted(keep).index(i)] for i in feature_layers], dim=-1) if feature_layers \
             else None
-        return logits, features
+        return logits, features, None

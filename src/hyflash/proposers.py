@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from hyflash import HyflashError
+from hyflash import HyflashError, kernels
 from hyflash.decoding import Draft, NoDraft, SamplingConfig, random_stream, target_probs
 from hyflash.drafter import model as drafter_model
 from hyflash.drafter.state import DrafterState
@@ -158,8 +158,13 @@ class HyFlashProposer:
         """The ``budget`` most probable candidate nodes (slot d's token r has probability p[d, r]; a node's score
         is the product along its path), best first, so a parent precedes its children and a first choice its
         siblings."""
-        probs = logits.float().softmax(-1).topk(min(self.branching, logits.shape[-1]), dim=-1)
-        p, ids = probs.values.tolist(), self.drafter.token_ids(probs.indices).tolist()
+        k = min(self.branching, logits.shape[-1])
+        module = kernels.amx() if logits.device.type == "cpu" and k <= 16 else None
+        if module is not None:  # one C++ call instead of a softmax and a top-k over [S, V] in fp32
+            values, index = module.top_probs(logits, k)
+        else:
+            values, index = logits.float().softmax(-1).topk(k, dim=-1)
+        p, ids = values.tolist(), self.drafter.token_ids(index).tolist()
         slots = len(p)
         tokens, parents = [], []
         heap = [(-p[0][r], 0, r, 0) for r in range(len(p[0]))]  # (−score, slot, rank, parent node)

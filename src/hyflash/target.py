@@ -208,6 +208,7 @@ def default_feature_layers(num_layers: int, count: int = 5) -> list[int]:
 class TargetOutput:
     logits: torch.Tensor  # [k, vocab] float32
     features: torch.Tensor | None  # [k, n_feature_layers * hidden], model dtype
+    top: torch.Tensor | None = None  # [k] int64: each row's argmax (first maximal index), when the engine has it
 
 
 class Target:
@@ -351,8 +352,8 @@ class Target:
             raise HyflashError("tree verification needs the fast path of a Llama target (Target.supports_tree)")
         if self.lean is not None and hasattr(cache, "capacity"):
             extra = {} if parents is None else {"parents": parents}
-            logits, feats = self.lean.forward(ids[0], cache, self.feature_layers if features else None, **extra)
-            return TargetOutput(logits, feats)
+            logits, feats, top = self.lean.forward(ids[0], cache, self.feature_layers if features else None, **extra)
+            return TargetOutput(logits, feats, top)
         # sliding-window layers can only roll back into the block of the latest forward (see rollback)
         cache.hyflash_floor = start
         positions = torch.arange(start, start + ids.shape[1], device=self.device)

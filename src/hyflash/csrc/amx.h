@@ -11,7 +11,7 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed);
 std::vector<torch::Tensor> llama_forward(
     torch::Tensor ids, torch::Tensor embed, std::vector<torch::Tensor> layers, torch::Tensor final_norm,
     torch::Tensor head, std::vector<torch::Tensor> cache_k, std::vector<torch::Tensor> cache_v, int64_t start,
-    torch::Tensor cos, torch::Tensor sin, torch::Tensor mask, int64_t heads, int64_t kv_heads, double eps,
+    torch::Tensor cos, torch::Tensor sin, std::vector<int64_t> parents, int64_t heads, int64_t kv_heads, double eps,
     double scale, std::vector<int64_t> feature_layers);
 torch::Tensor llama_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t start, torch::Tensor mask,
                               int64_t heads, double scale);
@@ -24,4 +24,5 @@ torch::Tensor drafter_draft(torch::Tensor slots, std::vector<torch::Tensor> laye
                             std::vector<torch::Tensor> win_v, std::vector<torch::Tensor> mem, int64_t count,
                             torch::Tensor cos, torch::Tensor sin, torch::Tensor final_norm, torch::Tensor head,
                             std::vector<int64_t> dims, double eps);
+std::vector<torch::Tensor> top_probs(torch::Tensor logits, int64_t k);
 }  // namespace hyflash

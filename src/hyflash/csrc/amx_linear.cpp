@@ -137,5 +137,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("llama_attention", &llama_attention, "llama_forward's attention alone, in fp32 (tests; lean_llama.cpp)");
   m.def("cache_keep", &cache_keep, "keep a verified tree path in bf16 static-cache buffers (lean_llama.cpp)");
   m.def("drafter_commit", &drafter_commit, "fold <= 16 verified features into a drafter's state (drafter.cpp)");
+  m.def("top_probs", &top_probs, "the k most probable entries of each row of softmax(logits) (drafter.cpp)");
   m.def("drafter_draft", &drafter_draft, "a drafter's block logits from its state (drafter.cpp)");
 }

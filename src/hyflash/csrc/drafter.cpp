@@ -261,4 +261,57 @@ torch::Tensor drafter_draft(torch::Tensor slots, std::vector<torch::Tensor> laye
   return amx_linear(x, head);
 }
 
+// The k most probable entries of each row of softmax(logits) (bf16 or fp32 [S, V]), best first (ties: the lower
+// index): a drafting round's tree needs only these, not the whole [S, V] distribution in fp32.
+std::vector<torch::Tensor> top_probs(torch::Tensor logits, int64_t k) {
+  TORCH_CHECK(logits.dim() == 2 && k >= 1 && k <= 16 && k <= logits.size(1), "top_probs: [S, V] logits, 1 <= k <= 16");
+  TORCH_CHECK(logits.scalar_type() == torch::kBFloat16 || logits.scalar_type() == torch::kFloat32,
+              "top_probs: bf16 or fp32 logits");
+  const auto x = logits.contiguous();
+  const bool f32 = x.scalar_type() == torch::kFloat32;
+  const int64_t S = x.size(0), V = x.size(1);
+  auto probs = torch::empty({S, k}, torch::TensorOptions().dtype(torch::kFloat32));
+  auto index = torch::empty({S, k}, torch::TensorOptions().dtype(torch::kInt64));
+  std::vector<float> row(V);
+  for (int64_t s = 0; s < S; ++s) {
+    if (f32) std::memcpy(row.data(), x.data_ptr<float>() + s * V, V * sizeof(float));
+    else {
+      const bf16* src = x.data_ptr<bf16>() + s * V;
+      int64_t j = 0;
+      for (; j + 16 <= V; j += 16) _mm512_storeu_ps(&row[j], load16(src + j));
+      for (; j < V; ++j) row[j] = static_cast<float>(src[j]);
+    }
+    float best_v[16];
+    int64_t best_i[16];
+    int64_t have = 0;
+    float best = -INFINITY;
+    for (int64_t j0 = 0; j0 < V; j0 += 16) {
+      const int64_t len = std::min<int64_t>(16, V - j0);
+      // a block of 16 whose largest value is not above the k-th best so far changes nothing (most blocks)
+      const __m512 blk = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), static_cast<__mmask16>((1u << len) - 1), &row[j0]);
+      const float top = _mm512_reduce_max_ps(blk);
+      best = std::max(best, top);
+      if (have == k && !(top > best_v[k - 1])) continue;
+      for (int64_t j = j0; j < j0 + len; ++j) {
+        const float v = row[j];
+        if (have == k && !(v > best_v[k - 1])) continue;  // equal values: the lower index keeps its place
+        int64_t at = have < k ? have++ : k - 1;
+        while (at > 0 && v > best_v[at - 1]) { best_v[at] = best_v[at - 1]; best_i[at] = best_i[at - 1]; --at; }
+        best_v[at] = v;
+        best_i[at] = j;
+      }
+    }
+    __m512 acc = _mm512_setzero_ps();
+    int64_t j = 0;
+    for (; j + 16 <= V; j += 16) acc = _mm512_add_ps(acc, exp16(_mm512_sub_ps(_mm512_loadu_ps(&row[j]), _mm512_set1_ps(best))));
+    float total = _mm512_reduce_add_ps(acc);
+    for (; j < V; ++j) total += std::exp(row[j] - best);
+    for (int64_t r = 0; r < k; ++r) {
+      probs.data_ptr<float>()[s * k + r] = std::exp(best_v[r] - best) / total;
+      index.data_ptr<int64_t>()[s * k + r] = best_i[r];
+    }
+  }
+  return {probs, index};
+}
+
 }  // namespace hyflash

@@ -8,6 +8,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <cmath>
+#include <memory>
 
 namespace hyflash {
 namespace {
@@ -237,7 +238,7 @@ class Attention {
 std::vector<torch::Tensor> llama_forward(
     torch::Tensor ids, torch::Tensor embed, std::vector<torch::Tensor> layers, torch::Tensor final_norm,
     torch::Tensor head, std::vector<torch::Tensor> cache_k, std::vector<torch::Tensor> cache_v, int64_t start,
-    torch::Tensor cos, torch::Tensor sin, torch::Tensor mask, int64_t H, int64_t Hkv, double eps_d,
+    torch::Tensor cos, torch::Tensor sin, std::vector<int64_t> parents, int64_t H, int64_t Hkv, double eps_d,
     double scale_d, std::vector<int64_t> feature_layers) {
   const int64_t n = ids.size(0), d = embed.size(1), L = static_cast<int64_t>(cache_k.size());
   const int64_t hd = cache_k[0].size(3), cap = cache_k[0].size(2), end = start + n, group = H / Hkv;
@@ -247,13 +248,30 @@ std::vector<torch::Tensor> llama_forward(
   TORCH_CHECK(end <= cap, "llama_forward: the cache holds ", cap, " tokens, ", end, " needed");
   TORCH_CHECK(hd % 32 == 0 && hd <= 256 && H % Hkv == 0 && H / Hkv <= kMaxGroup && d % 16 == 0,
               "llama_forward: unsupported geometry");
-  TORCH_CHECK(mask.scalar_type() == torch::kBool && mask.size(0) == n && mask.size(1) == n && mask.is_contiguous());
+  TORCH_CHECK(static_cast<int64_t>(parents.size()) == n - 1, "llama_forward: one parent per token after the first");
+  // token i > 0 follows parents[i - 1] < i (a chain: i - 1) and sees its ancestors and itself, at start + its depth
+  std::vector<bool> sees_v(n * n, false);
+  std::vector<int64_t> depth(n, 0);
+  for (int64_t i = 0; i < n; ++i) {
+    if (i > 0) {
+      const int64_t p = parents[i - 1];
+      TORCH_CHECK(p >= 0 && p < i, "llama_forward: token ", i, " has parent ", p, "; a parent must come before it");
+      for (int64_t j = 0; j < n; ++j) sees_v[i * n + j] = sees_v[p * n + j];
+      depth[i] = depth[p] + 1;
+    }
+    sees_v[i * n + i] = true;
+  }
+  std::unique_ptr<bool[]> sees(new bool[n * n]);
+  for (int64_t j = 0; j < n * n; ++j) sees[j] = sees_v[j];
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(start + depth[i] < cos.size(0), "llama_forward: the RoPE table is too short");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == hd && sin.sizes() == cos.sizes(),
+              "llama_forward: RoPE tables [positions, head_dim]");
   auto opt = embed.options();
   auto h = embed.index_select(0, ids).contiguous();  // [n, d] bf16
   auto x = torch::empty({n, d}, opt);
   auto attn = torch::empty({n, H * hd}, opt);
   std::vector<torch::Tensor> kept(L);
-  const bool* mk = mask.data_ptr<bool>();
+  const bool* mk = sees.get();
   const bf16* cs = cos.data_ptr<bf16>();
   const bf16* sn = sin.data_ptr<bf16>();
   Attention attention(n, start, H, Hkv, hd, scale, mk);
@@ -269,7 +287,8 @@ std::vector<torch::Tensor> llama_forward(
     bf16* vc = cache_v[l].data_ptr<bf16>();
     for (int64_t i = 0; i < n; ++i) {  // RoPE on q and k; k and v into the cache at start + i
       bf16* r = qp + i * row;
-      for (int64_t a = 0; a < H + Hkv; ++a) rope(r + a * hd, cs + i * hd, sn + i * hd, hd);
+      const int64_t at = (start + depth[i]) * hd;
+      for (int64_t a = 0; a < H + Hkv; ++a) rope(r + a * hd, cs + at, sn + at, hd);
       for (int64_t a = 0; a < Hkv; ++a) {
         std::memcpy(kc + (a * cap + start + i) * hd, r + (H + a) * hd, hd * sizeof(bf16));
         std::memcpy(vc + (a * cap + start + i) * hd, r + (H + Hkv + a) * hd, hd * sizeof(bf16));
@@ -293,14 +312,32 @@ std::vector<torch::Tensor> llama_forward(
       if (want == l) { kept[l] = h.clone(); break; }
   }
   rms_norm(h.data_ptr<bf16>(), final_norm.data_ptr<bf16>(), x.data_ptr<bf16>(), n, d, eps);
-  auto logits = amx_linear(x, head).to(torch::kFloat32);
+  auto head_out = amx_linear(x, head);  // [n, V rounded up to 16] bf16
+  // each row's first maximal logit (greedy verification needs only these), read from the bf16 values: the fp32
+  // copy below holds the same values, so this is its argmax
+  auto top = torch::empty({n}, torch::TensorOptions().dtype(torch::kInt64));
+  {
+    const int64_t V = head.size(0) * 16;
+    const bf16* lp = head_out.data_ptr<bf16>();
+    int64_t* tp = top.data_ptr<int64_t>();
+    for (int64_t i = 0; i < n; ++i) {
+      const bf16* row = lp + i * V;
+      __m512 best = _mm512_set1_ps(-INFINITY);
+      for (int64_t j = 0; j < V; j += 16) best = _mm512_max_ps(best, load16(row + j));
+      const float m = _mm512_reduce_max_ps(best);
+      int64_t j = 0;
+      while (static_cast<float>(row[j]) != m) ++j;
+      tp[i] = j;
+    }
+  }
+  auto logits = head_out.to(torch::kFloat32);
   torch::Tensor features;
   if (!feature_layers.empty()) {
     std::vector<torch::Tensor> parts;
     for (int64_t want : feature_layers) parts.push_back(kept[want]);
     features = torch::cat(parts, 1);
   }
-  return std::vector<torch::Tensor>{logits, features};
+  return std::vector<torch::Tensor>{logits, features, top};
 }
 
 // The attention of llama_forward alone, before its rounding to bf16 (for tests of its batch invariance):

@@ -165,6 +165,8 @@ class DrafterState:
             self.recent.append(None)  # memory_limit ablation: the last N write inputs
         # our C++ commit and draft (csrc/drafter.cpp) where they cover this drafter; they update these same tensors
         self.native = _native_weights(drafter, self.weights) if p.device.type == "cpu" else None
+        self._slots = None  # the native draft's slot inputs, reused (see draft_logits)
+        self._win_k, self._win_v = [w.k for w in self.windows], [w.v for w in self.windows]  # rings: fixed buffers
 
     @torch.no_grad()
     def commit(self, features: torch.Tensor) -> None:
@@ -210,11 +212,12 @@ class DrafterState:
     def _native_commit(self, features: torch.Tensor) -> None:
         n, nat = features.shape[0], self.native
         cos, sin = self._rope(self.n, self.n + n)
-        self.memories = [m.contiguous() for m in self.memories]  # updated in place
-        self.convs = [c.contiguous() for c in self.convs]
-        nat.module.drafter_commit(features.to(self.dtype).contiguous(), nat.glob, nat.layers,
-                                  [w.k for w in self.windows], [w.v for w in self.windows], self.memories,
-                                  self.convs, self.n, cos.contiguous(), sin.contiguous(), nat.dims, nat.eps)
+        if not all(m.is_contiguous() for m in self.memories + self.convs):  # updated in place
+            self.memories = [m.contiguous() for m in self.memories]
+            self.convs = [c.contiguous() for c in self.convs]
+        nat.module.drafter_commit(features.to(self.dtype).contiguous(), nat.glob, nat.layers, self._win_k,
+                                  self._win_v, self.memories, self.convs, self.n, cos.contiguous(), sin.contiguous(),
+                                  nat.dims, nat.eps)
         self.n += n
         for w in self.windows:
             w.count = self.n
@@ -225,11 +228,14 @@ class DrafterState:
         if self.native is None or self.drafter.training:
             return self.drafter.logits(self.draft_hidden(anchor))
         d, cfg, nat = self.drafter, self.drafter.config, self.native
-        slots = d.slot_inputs(torch.tensor([[anchor]]))[0, 0].contiguous()  # [S, d]
+        if self._slots is None:  # the mask embeddings once; each round writes only the anchor's row
+            self._slots = d.slot_inputs(torch.tensor([[anchor]]))[0, 0].contiguous()  # [S, d]
+        else:
+            self._slots[0] = d.embed_weight[anchor]
         cos, sin = self._rope(self.n, self.n + cfg.block_size)
-        return nat.module.drafter_draft(slots, nat.layers, [w.k for w in self.windows], [w.v for w in self.windows],
-                                        self.memories, self.n, cos.contiguous(), sin.contiguous(), nat.final_norm,
-                                        nat.head, nat.dims, nat.eps)
+        return nat.module.drafter_draft(self._slots, nat.layers, self._win_k, self._win_v, self.memories, self.n,
+                                        cos.contiguous(), sin.contiguous(), nat.final_norm, nat.head, nat.dims,
+                                        nat.eps)
 
     def _memory(self, i: int, kind: str) -> torch.Tensor:
         if self.drafter.config.memory_limit is None or self.recent[i] is None:
