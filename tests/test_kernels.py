@@ -88,3 +88,28 @@ def test_no_amx_flags_means_no_kernel(monkeypatch):
     finally:
         monkeypatch.undo()
         kernels.amx.cache_clear()
+
+
+@needs_amx
+@pytest.mark.parametrize("out_features,in_features", [(1984, 576), (576, 1088), (40, 64)])  # the last: padded
+@pytest.mark.parametrize("rows", [1, 7, 16])
+def test_int8_weights_multiply_as_their_dequantised_values(out_features, in_features, rows):
+    """pack_q8: int8 codes with a scale per output column (within half a step of each weight), multiplied on AMX
+    as bf16 integers with the scale applied to the fp32 sums: a bf16 rounding of the exact product with the
+    dequantised weights."""
+    amx = kernels.amx()
+    g = torch.Generator().manual_seed(out_features + rows)
+    w = (torch.randn(out_features, in_features, generator=g) * 0.05).bfloat16()
+    x = torch.randn(rows, in_features, generator=g).bfloat16()
+    packed = amx.pack_q8(w)
+    blocks = (out_features + 15) // 16  # one byte a weight, plus 16 fp32 scales a block of 16 columns
+    assert packed.dtype == torch.int8 and packed.shape == (blocks, in_features * 16 + 64)
+    dq = amx.dequantise_q8(packed, in_features)[:out_features]
+    step = w.float().abs().amax(1, keepdim=True) / 127
+    assert ((dq - w.float()).abs() <= step / 2 + 1e-7).all()
+    got = amx.linear(x, packed)[:, :out_features]
+    exact = x.double() @ dq.double().t()
+    assert ((got.double() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-3 * exact.abs().max()).all()
+    lin = PackedLinear(w)
+    lin.amx = packed  # the int8 tiles through PackedLinear (how the drafter's C++ path gets them)
+    assert torch.equal(lin(x), got)

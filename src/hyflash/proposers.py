@@ -92,12 +92,18 @@ class HyFlashProposer:
     needs_features = True
 
     def __init__(self, drafter: drafter_model.HyFlashDrafter, seed: int | None = None, confidence: float = 0.0,
-                 tree: int = 0, branching: int = 3):
+                 tree: int = 0, branching: int = 3, weights: str = "bf16"):
         if not 0.0 <= confidence <= 1.0:
             raise HyflashError(f"confidence must be in [0, 1], got {confidence}")
         if tree < 0 or branching < 1:
             raise HyflashError(f"tree must be >= 0 nodes and branching >= 1, got {tree} and {branching}")
+        if weights not in WEIGHTS:
+            raise HyflashError(f"drafter weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
         self.drafter = drafter.eval()
+        # The weights our C++ draft and commit read (a bf16 drafter on a CPU with AMX; elsewhere the drafter's own):
+        # bf16, or int8 codes with a scale per output column (half the bytes; the target's output is unchanged,
+        # only the drafter's guesses move slightly). Set before the first state packs them.
+        self.drafter.native_weights = weights
         self.drafter.pack_for_inference()  # bf16 on CPU: weights packed once (hyflash.packed)
         self.block_size = drafter.config.block_size
         self.seed = seed
@@ -227,6 +233,10 @@ class LookupThenDrafter:
         return self.lookup.state_bytes() + self.drafter.state_bytes()
 
 
+WEIGHTS = ("bf16", "int8")
+DEFAULT_WEIGHTS = "bf16"
+
+
 def split_spec(spec: str) -> tuple[str, float | None, int | None]:
     """``BASE[@C][#N]`` → (BASE, confidence C or None, tree size N or None)."""
     confidence = tree = None
@@ -245,14 +255,19 @@ def split_spec(spec: str) -> tuple[str, float | None, int | None]:
 
 
 def load_proposer(spec: str, target, block_size: int | None = None, seed: int | None = None,
-                  confidence: float | None = None, tree: int | None = None):
+                  confidence: float | None = None, tree: int | None = None, weights: str | None = None):
     """``none`` | ``ngram`` | ``random`` | ``auto`` (the drafter shipped for this target, else ngram) | a drafter
     checkpoint directory | ``ngram+auto`` or ``ngram+PATH`` (prompt lookup when it matches, else that drafter).
     A drafter spec may end in ``@C`` (e.g. ``auto@0.1``): adaptive block length with that confidence
     (``HyFlashProposer``); ``confidence`` does the same for a spec without one. It may end in ``#N`` (e.g.
     ``auto#12``): greedy decoding verifies a tree of N candidate tokens instead of a chain (``#0``: a chain);
     ``tree`` likewise. Without either, a drafter sends a tree of ``DEFAULT_TREE`` nodes (an adaptive block length
-    alone means a chain)."""
+    alone means a chain). A trailing ``:bf16`` or ``:int8`` (e.g. ``auto#4:int8``; ``weights`` likewise) chooses the
+    weights the C++ drafting path reads (``HyFlashProposer``; default ``DEFAULT_WEIGHTS``)."""
+    base, _, suffix = spec.rpartition(":")
+    if base and suffix in WEIGHTS:
+        spec, weights = base, suffix
+    weights = weights or DEFAULT_WEIGHTS
     spec, spec_confidence, spec_tree = split_spec(spec)
     confidence = confidence if spec_confidence is None else spec_confidence
     tree = tree if spec_tree is None else spec_tree
@@ -260,7 +275,7 @@ def load_proposer(spec: str, target, block_size: int | None = None, seed: int | 
         inner = spec[len("ngram+"):]
         if inner == "auto" and shipped_drafter_path(target) is None:
             raise HyflashError(f"no drafter shipped for {target.name}: use ngram, or ngram+PATH")
-        drafter = load_proposer(inner, target, block_size, seed, confidence, tree)
+        drafter = load_proposer(inner, target, block_size, seed, confidence, tree, weights)
         if not isinstance(drafter, HyFlashProposer):
             raise HyflashError(f"ngram+ needs a drafter checkpoint after the +, not {inner!r}")
         return LookupThenDrafter(drafter)
@@ -279,4 +294,5 @@ def load_proposer(spec: str, target, block_size: int | None = None, seed: int | 
         raise HyflashError(f"unknown drafter {spec!r}: not none/ngram/auto and no such checkpoint directory")
     if tree is None:
         tree = 0 if confidence else DEFAULT_TREE
-    return HyFlashProposer.from_pretrained(spec, target, seed=seed, confidence=confidence or 0.0, tree=tree)
+    return HyFlashProposer.from_pretrained(spec, target, seed=seed, confidence=confidence or 0.0, tree=tree,
+                                           weights=weights)

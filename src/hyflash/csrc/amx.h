@@ -7,6 +7,8 @@ namespace hyflash {
 bool init();
 torch::Tensor pack(torch::Tensor w);
 torch::Tensor huge_empty(int64_t nbytes);
+torch::Tensor pack_q8(torch::Tensor w);
+torch::Tensor dequantise_q8(torch::Tensor packed, int64_t K);
 torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed);
 std::vector<torch::Tensor> llama_forward(
     torch::Tensor ids, torch::Tensor embed, std::vector<torch::Tensor> layers, torch::Tensor final_norm,

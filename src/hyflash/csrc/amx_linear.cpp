@@ -73,10 +73,103 @@ torch::Tensor huge_empty(int64_t nbytes) {
   return torch::from_blob(p, {nbytes}, [](void* q) { std::free(q); }, torch::TensorOptions().dtype(torch::kUInt8));
 }
 
+// int8 weights for the drafter (a round reads half the bytes): per output column a symmetric scale (max |w| / 127)
+// and the codes in the bf16 tile order, each 16-column block as K * 16 codes followed by its 16 fp32 scales:
+// [N/16, K * 16 + 64] int8. amx_linear widens a block's codes to bf16 integers in a tile buffer just before
+// multiplying and scales each column's fp32 sum: y = bf16(scale * sum_k x_k code_k), the product with the weights
+// dequantise_q8 returns, up to fp32 rounding.
+torch::Tensor pack_q8(torch::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kBFloat16, "pack_q8: a 2-D bf16 weight");
+  const int64_t N = w.size(0), K = w.size(1), padded = (N + 15) / 16 * 16;
+  TORCH_CHECK(K % 32 == 0, "pack_q8: in_features % 32 must be 0");
+  auto wf = w.to(torch::kFloat32);
+  if (padded != N) wf = torch::cat({wf, wf.new_zeros({padded - N, K})}, 0);
+  auto scale = wf.abs().amax(1).div(127.f);
+  scale = torch::where(scale > 0, scale, torch::ones_like(scale));
+  auto codes = wf.div(scale.unsqueeze(1)).round().clamp(-127, 127).to(torch::kInt8);
+  auto tiles = codes.view({padded / 16, 16, K / 2, 2}).permute({0, 2, 1, 3}).reshape({padded / 16, K * 16});
+  auto scales = scale.view({padded / 16, 16}).contiguous();
+  auto scale_bytes = torch::from_blob(scales.data_ptr(), {padded / 16, 64}, torch::TensorOptions().dtype(torch::kInt8));
+  return torch::cat({tiles, scale_bytes}, 1).contiguous();
+}
+
+torch::Tensor dequantise_q8(torch::Tensor packed, int64_t K) {  // the weight [N rounded up to 16, K] it holds, fp32
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == torch::kInt8 && packed.size(1) == K * 16 + 64,
+              "dequantise_q8: a pack_q8 tensor");
+  const int64_t blocks = packed.size(0);
+  auto codes = packed.narrow(1, 0, K * 16).reshape({blocks, K / 2, 16, 2}).permute({0, 2, 1, 3})
+                   .reshape({blocks * 16, K}).to(torch::kFloat32);
+  auto scales = packed.narrow(1, K * 16, 64).contiguous().view(torch::kFloat32).reshape({blocks * 16, 1});
+  return codes.mul(scales);
+}
+
+namespace {
+
+// one 16-column block's 32 x 16 tile at k (codes: the block's K * 16 codes) as bf16 integers into `tile` (exact:
+// |code| <= 127 fits bf16's 8-bit significand); the column scales are applied to the fp32 sums afterwards
+inline void widen_q8(const int8_t* codes, int64_t k, uint16_t* tile) {
+  const int8_t* c = codes + k * 16;
+  for (int kp = 0; kp < 16; ++kp) {  // a row of the tile: 16 columns x a pair of k (32 codes)
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 32 * kp));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 32 * kp + 16));
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(a));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+    _mm512_store_si512(tile + 32 * kp, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+  }
+}
+
+torch::Tensor amx_linear_q8(torch::Tensor x, torch::Tensor packed) {
+  const int64_t M = x.size(0), K = x.size(1), blocks = packed.size(0), N = blocks * 16, row = packed.size(1);
+  TORCH_CHECK(row == K * 16 + 64, "linear: x has ", K, " columns, the int8 weight ", (row - 64) / 16);
+  auto y = torch::empty({M, N}, x.options());
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  const int8_t* wp = packed.data_ptr<int8_t>();
+  auto* yp = y.data_ptr<at::BFloat16>();
+  const int64_t xs = K * 2, groups = (blocks + 3) / 4;
+  // as amx_linear: four column blocks share each load of x (and four streams of codes are in flight)
+  at::parallel_for(0, groups, 1, [&](int64_t first, int64_t last) {
+    alignas(64) float acc[16 * 64];
+    alignas(64) uint16_t tile[4][16 * 32];
+    configure(M);
+    for (int64_t g = first; g < last; ++g) {
+      const int64_t b0 = g * 4, nb = std::min<int64_t>(4, blocks - b0);
+      _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+      for (int64_t k = 0; k < K; k += 32) {
+        for (int64_t u = 0; u < nb; ++u) {
+          const int8_t* codes = wp + (b0 + u) * row;
+          if (k + 64 < K)  // the next tiles but one of this stream: the hardware prefetcher stops at 4 KiB pages
+            for (int line = 0; line < 8; ++line)
+              _mm_prefetch(reinterpret_cast<const char*>(codes + (k + 64) * 16) + 64 * line, _MM_HINT_T0);
+          widen_q8(codes, k, tile[u]);
+        }
+        _tile_loadd(4, xp + k, xs);
+        _tile_loadd(5, tile[0], 64);
+        _tile_dpbf16ps(0, 4, 5);
+        if (nb > 1) { _tile_loadd(6, tile[1], 64); _tile_dpbf16ps(1, 4, 6); }
+        if (nb > 2) { _tile_loadd(7, tile[2], 64); _tile_dpbf16ps(2, 4, 7); }
+        if (nb > 3) { _tile_loadd(5, tile[3], 64); _tile_dpbf16ps(3, 4, 5); }
+      }
+      _tile_stored(0, acc, 256); _tile_stored(1, acc + 16, 256);
+      _tile_stored(2, acc + 32, 256); _tile_stored(3, acc + 48, 256);
+      for (int64_t u = 0; u < nb; ++u) {
+        const __m512 scale = _mm512_loadu_ps(reinterpret_cast<const float*>(wp + (b0 + u) * row + K * 16));
+        for (int64_t m = 0; m < M; ++m)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(yp + m * N + (b0 + u) * 16),
+                              (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(acc + m * 64 + u * 16), scale)));
+      }
+    }
+    _tile_release();
+  });
+  return y;
+}
+
+}  // namespace
+
 torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.is_contiguous(), "linear: contiguous 2-D bf16 x");
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * 16;
   TORCH_CHECK(M >= 1 && M <= 16, "linear: 1 to 16 rows");
+  if (packed.scalar_type() == torch::kInt8) return amx_linear_q8(x, packed);
   TORCH_CHECK(packed.size(1) * 2 == K, "linear: x has ", K, " columns, the weight ", packed.size(1) * 2);
   auto y = torch::empty({M, N}, x.options());
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
@@ -132,6 +225,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("init", &init, "ask the OS for AMX tile state; true when granted");
   m.def("pack", &pack, "reorder a bf16 weight [N, K] into AMX B tiles");
   m.def("huge_empty", &huge_empty, "uninitialised bytes on memory advised for 2 MiB pages (packed weights)");
+  m.def("pack_q8", &pack_q8, "a bf16 weight [N, K] as int8 codes and per-column scales in tile order");
+  m.def("dequantise_q8", &dequantise_q8, "the weight a pack_q8 tensor stands for (given K), fp32");
   m.def("linear", &amx_linear, "x [M<=16, K] bf16 @ w.T from pack(w) -> [M, N rounded up to 16] bf16");
   m.def("llama_forward", &llama_forward, "one forward of a Llama decoder over <= 16 new tokens (lean_llama.cpp)");
   m.def("llama_attention", &llama_attention, "llama_forward's attention alone, in fp32 (tests; lean_llama.cpp)");

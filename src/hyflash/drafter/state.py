@@ -105,8 +105,12 @@ class _NativeWeights:
         if fuse.amx is None:
             return None
         # in the order a round reads them: commit (fuse, the layers' writes), then draft (the layers, the head)
-        gather_on_huge_pages([fuse] + [w.write for w in weights]
-                             + [lin for w in weights for lin in (w.read, w.out, w.gate_up, w.down)] + [head])
+        ordered = [fuse] + [w.write for w in weights] + [lin for w in weights for lin in (w.read, w.out, w.gate_up,
+                                                                                      w.down)] + [head]
+        if getattr(drafter, "native_weights", "bf16") == "int8":  # half the bytes a round reads (pack_q8)
+            for lin in ordered:
+                lin.amx = module.pack_q8(lin.w)
+        gather_on_huge_pages(ordered)
         return _NativeWeights(drafter, weights, module, fuse)
 
     def __init__(self, drafter, weights, module, fuse):
