@@ -302,5 +302,10 @@ def test_drafter_specs_choose_a_tree_or_a_chain(tmp_path):
     assert load_proposer(path + "#0", target).tree == 0  # a chain
     assert load_proposer(path + "@0.1", target).tree == 0  # adaptive block length is a chain's
     assert load_proposer("ngram+" + path + "#7", target).drafter.tree == 7
+    # the weights the C++ drafting path reads: int8 by default, :bf16 / :int8 at the end of a spec
+    assert load_proposer(path, target).drafter.native_weights == "int8"
+    assert load_proposer(path + "#5:bf16", target).drafter.native_weights == "bf16"
+    prop = load_proposer("ngram+" + path + ":bf16", target)
+    assert prop.drafter.drafter.native_weights == "bf16" and prop.drafter.tree == DEFAULT_TREE
     with pytest.raises(HyflashError, match="bad tree size"):
         load_proposer(path + "#many", target)

@@ -232,3 +232,31 @@ def test_top_probs_are_softmax_topk():
     assert (probs[:, :-1] >= probs[:, 1:]).all()
     probs32, index32 = kernels.amx().top_probs(logits.float(), 3)
     assert torch.equal(index32, index) and torch.equal(probs32, probs)
+
+
+def test_int8_drafter_weights_draft_like_bf16_and_generation_stays_exact():
+    from hyflash.proposers import DEFAULT_WEIGHTS, load_proposer, split_spec
+
+    target = bf16_llama(seed=6)
+    drafter = _bf16_drafter(target, window=8)
+    ids = torch.randint(1, 63, (30,), generator=torch.Generator().manual_seed(6))
+    feats = target.forward(ids, target.new_cache(64)).features
+    logits = {}
+    for weights in ("bf16", "int8", "bf16"):  # one drafter, repacked when the kind changes
+        prop = HyFlashProposer(drafter, weights=weights)
+        prop.reset(ids.tolist())
+        prop.commit(None, feats[:12])
+        prop.commit(None, feats[12:15])
+        kinds = {lin.amx.dtype for lin in (drafter._packed_head,)}
+        assert kinds == {torch.int8 if weights == "int8" else torch.bfloat16}
+        logits.setdefault(weights, []).append(prop.state.draft_logits(int(ids[14])))
+    assert torch.equal(logits["bf16"][0], logits["bf16"][1])
+    assert _close(logits["int8"][0], logits["bf16"][0]) and not torch.equal(logits["int8"][0], logits["bf16"][0])
+    prompt = ids[:12].tolist()
+    plain = generate(target, prompt, None, max_new_tokens=30).token_ids
+    for tree in (0, 4):
+        assert generate(target, prompt, HyFlashProposer(drafter, tree=tree, weights="int8"),
+                        max_new_tokens=30).token_ids == plain
+    assert DEFAULT_WEIGHTS == "int8" and split_spec("auto#4")[2] == 4
+    with pytest.raises(Exception, match="weights"):
+        HyFlashProposer(drafter, weights="int4")

@@ -189,14 +189,14 @@ def test_speculative_sampling_matches_target_joint_distribution(target, name):
     assert pvalue > P_PASS, f"{name}: p-value {pvalue:.2e}"
 
 
-def _accept_everything(logits, draft, sampling, coin_gen, sample_gen):
+def _accept_everything(logits, draft, sampling, coin_gen, sample_gen, top=None):
     """Broken: every draft is kept, the bonus token comes from p."""
     p = target_probs(logits, sampling)
     k = len(draft.tokens)
     return k, int(torch.multinomial(p[k], 1, generator=sample_gen))
 
 
-def _resample_from_p(logits, draft, sampling, coin_gen, sample_gen):
+def _resample_from_p(logits, draft, sampling, coin_gen, sample_gen, top=None):
     """Broken in the classic subtle way: the acceptance test is right but a rejection resamples from p instead of
     norm(max(0, p - q)), which over-represents tokens the drafter also likes."""
     p = target_probs(logits, sampling)

@@ -297,7 +297,7 @@ def generate(target, prompt_ids: list[int], proposer: Proposer | None = None, ma
         out = target.forward(torch.tensor([anchor] + draft.tokens), cache, features=proposer.needs_features,
                              parents=draft.parents)
         if draft.parents is None:
-            m, bonus = verify_block(out.logits, draft, sampling, coin_gen, sample_gen, out.top)
+            m, bonus = verify_block(out.logits, draft, sampling, coin_gen, sample_gen, top=out.top)
             target.rollback(cache, committed + m + 1)
             kept, rows = draft.tokens[:m], slice(0, m + 1)
         else:  # the accepted path's keys/values move up to follow the committed ones; the other branches go

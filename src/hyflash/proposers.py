@@ -21,6 +21,7 @@ SHIPPED = Path(__file__).resolve().parent / "checkpoints"
 # On MT-Bench with the shipped drafter (80 first turns, our native engine, 2026-11-30, benchmarks/RESULTS.md): trees of
 # 12, 6 and 4 nodes gave τ 1.75, 1.70, 1.66 and 1.05x, 1.14x, 1.18x plain decoding; once verifying costs little more
 # than a plain step, the smaller tree's cheaper round wins (2 and 3 nodes tied with 4 on 8 prompts, at lower τ).
+# With the chunked attention and int8 drafter weights (later the same day), 5 nodes: τ 1.67, 1.30x; 4: 1.65, 1.33x.
 DEFAULT_TREE = 4
 
 
@@ -102,7 +103,10 @@ class HyFlashProposer:
         self.drafter = drafter.eval()
         # The weights our C++ draft and commit read (a bf16 drafter on a CPU with AMX; elsewhere the drafter's own):
         # bf16, or int8 codes with a scale per output column (half the bytes; the target's output is unchanged,
-        # only the drafter's guesses move slightly). Set before the first state packs them.
+        # only the drafter's guesses move slightly). Packed when the first state is made; a drafter shared with a
+        # proposer that asked for the other kind is packed afresh.
+        if getattr(drafter, "native_weights", weights) != weights:
+            drafter._runtime_weights = drafter._native_weights = None
         self.drafter.native_weights = weights
         self.drafter.pack_for_inference()  # bf16 on CPU: weights packed once (hyflash.packed)
         self.block_size = drafter.config.block_size
@@ -165,7 +169,8 @@ class HyFlashProposer:
         is the product along its path), best first, so a parent precedes its children and a first choice its
         siblings."""
         k = min(self.branching, logits.shape[-1])
-        module = kernels.amx() if logits.device.type == "cpu" and k <= 16 else None
+        module = kernels.amx() if logits.device.type == "cpu" and k <= 16 \
+            and logits.dtype in (torch.bfloat16, torch.float32) else None
         if module is not None:  # one C++ call instead of a softmax and a top-k over [S, V] in fp32
             values, index = module.top_probs(logits, k)
         else:
@@ -233,8 +238,11 @@ class LookupThenDrafter:
         return self.lookup.state_bytes() + self.drafter.state_bytes()
 
 
+# The weights the C++ drafting path reads. int8 (a scale per output column) halves the bytes of a round: on MT-Bench
+# (80 first turns, 2026-11-30, benchmarks/RESULTS.md) the drafter's tree of 4 went from 1.27x to 1.33x plain decoding
+# and ngram+auto from 1.55x to 1.61x, keeping 99.8% of the bf16 weights' τ (1.647 vs 1.650).
 WEIGHTS = ("bf16", "int8")
-DEFAULT_WEIGHTS = "bf16"
+DEFAULT_WEIGHTS = "int8"
 
 
 def split_spec(spec: str) -> tuple[str, float | None, int | None]:
