@@ -57,11 +57,18 @@ def hf_generate_tps(target, ids, n) -> float:
 
 LLAMA_CPP_SCRIPT = """
 import json, sys, time
+import llama_cpp.llama_cpp as ll
+path, threads, n, extra = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
+if not extra:  # llama.cpp without its extra buffer types (the AMX / repacked weight layouts)
+    default_params = ll.llama_model_default_params
+    def params():
+        p = default_params()
+        p.use_extra_bufts = False
+        return p
+    ll.llama_model_default_params = params
 from llama_cpp import Llama
-path, threads, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 llm = Llama(model_path=path, n_threads=threads, n_ctx=4096, verbose=False)
-out = []
-for line in sys.stdin:
+for line in sys.stdin:  # one prompt (token ids) a line -> its decode tokens/s, a line
     ids = json.loads(line)
     t_first, count = None, 0
     for _ in llm.generate(ids, temp=0.0, top_k=1, reset=True):
@@ -70,25 +77,49 @@ for line in sys.stdin:
             t_first = time.perf_counter()
         if count >= n:
             break
-    out.append((count - 1) / (time.perf_counter() - t_first))
     llm.reset()
-print(json.dumps(out))
+    print(json.dumps((count - 1) / (time.perf_counter() - t_first)), flush=True)
 """
 
 
-def llama_cpp_tps(gguf, prompts, n, threads) -> list[float]:
-    """llama.cpp greedy decode tokens/s per prompt, in a process of its own: llama.cpp's OpenMP runtime and
-    torch's crash when both are loaded into one process here."""
-    import json
-    import subprocess
-    import sys
+class LlamaCpp:
+    """llama.cpp greedy decoding in a process of its own (llama.cpp's OpenMP runtime and torch's crash when both are
+    loaded into one process here), fed one prompt at a time so that it takes its turn among our systems. Its AMX
+    matmul (an extra buffer type that repacks the weights) dies with SIGSEGV in this project's VM
+    (ggml_backend_amx_mul_mat, at the first token); after such a crash it starts again without extra buffer types,
+    on its AVX-512 kernels, and ``note`` says so."""
 
-    feed = "".join(json.dumps(ids) + "\n" for ids in prompts)
-    res = subprocess.run([sys.executable, "-c", LLAMA_CPP_SCRIPT, str(gguf), str(threads), str(n)], input=feed,
-                         capture_output=True, text=True)
-    if res.returncode != 0:
-        raise RuntimeError(f"llama.cpp failed (exit {res.returncode}): {res.stderr[-300:].strip() or 'no message'}")
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    def __init__(self, gguf, n, threads, warm_up):
+        import subprocess
+        import sys
+
+        self.note = "llama.cpp with its default buffer types"
+        for extra in ("1", "0"):
+            self.proc = subprocess.Popen([sys.executable, "-c", LLAMA_CPP_SCRIPT, str(gguf), str(threads), str(n), extra],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            try:
+                self(warm_up)
+                return
+            except RuntimeError:
+                if self.proc.returncode != -11 or extra == "0":
+                    raise
+                self.note = "llama.cpp without extra buffer types (its AMX path crashed: SIGSEGV), AVX-512 kernels"
+
+    def __call__(self, ids) -> float:
+        import json
+
+        self.proc.stdin.write(json.dumps(ids) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            self.proc.wait()
+            raise RuntimeError(f"llama.cpp failed (exit {self.proc.returncode}): "
+                               f"{self.proc.stderr.read()[-300:].strip() or 'no message'}")
+        return float(line)
+
+    def close(self):
+        self.proc.stdin.close()
+        self.proc.wait()
 
 
 def main():
@@ -120,24 +151,25 @@ def main():
             fast, ids, combo, max_new_tokens=n).stats.tokens_per_s
     import importlib.util
 
-    llm = importlib.util.find_spec("llama_cpp") is not None  # run in its own process (see llama_cpp_tps)
-    for fn in systems.values():  # warm-up
-        fn(prompts[0][:16])
-    results = {name: [] for name in systems}
-    for i, ids in enumerate(prompts):
-        names = list(systems) if i % 2 == 0 else list(systems)[::-1]
-        for name in names:
-            results[name].append(median([systems[name](ids) for _ in range(args.repeats)]))
+    llm = importlib.util.find_spec("llama_cpp") is not None  # run in its own process (see LlamaCpp)
+    llama = None
     if llm:
-        gguf = _find_embedded_gguf(EMBEDDED_TARGETS["smollm2-135m"])
-        llama_prompts = [p for p in prompts for _ in range(args.repeats)]
         try:
-            tps = llama_cpp_tps(gguf, [prompts[0][:16]] + llama_prompts, n, args.threads)[1:]  # first: warm-up
-            results["llama.cpp, plain"] = [median(tps[i * args.repeats:(i + 1) * args.repeats])
-                                           for i in range(len(prompts))]
+            llama = LlamaCpp(_find_embedded_gguf(EMBEDDED_TARGETS["smollm2-135m"]), n, args.threads, prompts[0][:16])
+            systems["llama.cpp, plain"] = llama
         except RuntimeError as e:
             print(f"# {e}")
             llm = False
+    for fn in systems.values():  # warm-up
+        fn(prompts[0][:16])
+    results = {name: [] for name in systems}
+    for i, ids in enumerate(prompts):  # every system on a prompt back to back, the order alternating per prompt
+        names = list(systems) if i % 2 == 0 else list(systems)[::-1]
+        for name in names:
+            results[name].append(median([systems[name](ids) for _ in range(args.repeats)]))
+    if llama is not None:
+        llama.close()
+        print(f"# {llama.note}")
     bw = memory_bandwidth()
     print(machine_line())
     print(f"# SmolLM2-135M-Instruct bf16 (llama.cpp: the package's GGUF) | {len(prompts)} MT-Bench prompts | "

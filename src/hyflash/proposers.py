@@ -245,6 +245,12 @@ WEIGHTS = ("bf16", "int8")
 DEFAULT_WEIGHTS = "int8"
 
 
+def split_weights(spec: str) -> tuple[str, str | None]:
+    """``SPEC:bf16`` / ``SPEC:int8`` → (SPEC, the weights), anything else → (spec, None)."""
+    base, _, suffix = spec.rpartition(":")
+    return (base, suffix) if base and suffix in WEIGHTS else (spec, None)
+
+
 def split_spec(spec: str) -> tuple[str, float | None, int | None]:
     """``BASE[@C][#N]`` → (BASE, confidence C or None, tree size N or None)."""
     confidence = tree = None
@@ -272,10 +278,8 @@ def load_proposer(spec: str, target, block_size: int | None = None, seed: int | 
     ``tree`` likewise. Without either, a drafter sends a tree of ``DEFAULT_TREE`` nodes (an adaptive block length
     alone means a chain). A trailing ``:bf16`` or ``:int8`` (e.g. ``auto#4:int8``; ``weights`` likewise) chooses the
     weights the C++ drafting path reads (``HyFlashProposer``; default ``DEFAULT_WEIGHTS``)."""
-    base, _, suffix = spec.rpartition(":")
-    if base and suffix in WEIGHTS:
-        spec, weights = base, suffix
-    weights = weights or DEFAULT_WEIGHTS
+    spec, spec_weights = split_weights(spec)
+    weights = spec_weights or weights or DEFAULT_WEIGHTS
     spec, spec_confidence, spec_tree = split_spec(spec)
     confidence = confidence if spec_confidence is None else spec_confidence
     tree = tree if spec_tree is None else spec_tree

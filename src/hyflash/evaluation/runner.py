@@ -64,9 +64,10 @@ def parse_drafters(spec: str) -> dict[str, str]:
 
 def drafter_info(spec: str, target) -> dict:
     from hyflash.drafter.config import DrafterConfig
-    from hyflash.proposers import shipped_drafter_path, split_spec
+    from hyflash.proposers import DEFAULT_WEIGHTS, shipped_drafter_path, split_spec, split_weights
 
-    base, confidence, tree = split_spec(spec)  # "auto@0.1": adaptive block length; "auto#12": a tree of 12
+    base, weights = split_weights(spec)  # "auto:bf16": the C++ drafting path on bf16 weights
+    base, confidence, tree = split_spec(base)  # "auto@0.1": adaptive block length; "auto#12": a tree of 12
     path = shipped_drafter_path(target) if base.endswith("auto") else None
     if path is None and base not in ("none", "ngram", "auto", "ngram+auto", "random"):
         path = Path(base.removeprefix("ngram+"))
@@ -78,7 +79,7 @@ def drafter_info(spec: str, target) -> dict:
             "num_layers": cfg.num_layers, "window": cfg.window, "memory": cfg.memory,
             "memory_limit": cfg.memory_limit, "slot_attention": cfg.slot_attention,
             "draft_vocab_size": cfg.draft_vocab_size, "confidence": confidence or 0.0,
-            "tree": tree}
+            "tree": tree, "weights": weights or DEFAULT_WEIGHTS}
 
 
 def build_items(target, suites: list[str], buckets: list[str], limit: int, seed: int = 0) -> list[S.EvalItem]:
