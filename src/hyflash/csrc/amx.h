@@ -4,6 +4,15 @@
 #include <vector>
 
 namespace hyflash {
+// AMX tile configuration (palette 1): the bytes per row and rows of each of the 8 tiles, loaded per thread
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
 bool init();
 torch::Tensor pack(torch::Tensor w);
 torch::Tensor huge_empty(int64_t nbytes);

@@ -19,17 +19,9 @@ namespace {
 constexpr long kArchReqXcompPerm = 0x1023;  // arch_prctl: ask the kernel for the AMX tile state
 constexpr long kXfeatureXtiledata = 18;
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // Tiles: 0-3 accumulators (M x 16 fp32 each), 4 the rows of x (M x 32 bf16), 5-7 weight tiles (16 x 32 bf16).
 void configure(int64_t M) {
-  TileConfig cfg;
+  hyflash::TileConfig cfg;
   for (int t = 0; t < 5; ++t) { cfg.rows[t] = static_cast<uint8_t>(M); cfg.colsb[t] = 64; }
   for (int t = 5; t < 8; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
   _tile_loadconfig(&cfg);

@@ -56,14 +56,6 @@ void rope(bf16* x, const bf16* cos, const bf16* sin, int64_t hd) {
 // row sees nothing. Softmax and p·v are fp32, the output is rounded to bf16 once.
 constexpr int64_t kChunk = 64;
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 class Attention {
  public:
   Attention(int64_t n, int64_t start, int64_t H, int64_t Hkv, int64_t hd, float scale, const bool* mask)
