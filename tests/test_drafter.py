@@ -291,6 +291,20 @@ def test_tree_candidates_are_the_most_probable_paths_best_first():
     assert Draft([5, 6]).chain().tokens == [5, 6]
 
 
+def test_graft_merges_a_chain_into_a_tree_as_a_path_from_the_root():
+    from hyflash.decoding import Draft
+    from hyflash.proposers import graft
+
+    tree = Draft([10, 20, 11, 30], parents=[0, 1, 0, 2])  # 10 -> 20 -> 30, and 11
+    d = graft(tree, [10, 20, 40, 50])  # follows 10 -> 20, then branches off with 40 -> 50
+    assert d.tokens == [10, 20, 11, 30, 40, 50] and d.parents == [0, 1, 0, 2, 2, 5]
+    assert graft(tree, [10, 20, 30]).tokens == tree.tokens  # already there: nothing added
+    assert graft(tree, []).parents == tree.parents
+    d = graft(tree, [12, 13])
+    assert d.tokens[-2:] == [12, 13] and d.parents[-2:] == [0, 5]
+    assert all(p < i for i, p in enumerate(d.parents, start=1))  # parents precede children
+
+
 def test_drafter_specs_choose_a_tree_or_a_chain(tmp_path):
     from hyflash.proposers import DEFAULT_TREE
 

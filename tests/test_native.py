@@ -260,3 +260,18 @@ def test_int8_drafter_weights_draft_like_bf16_and_generation_stays_exact():
     assert DEFAULT_WEIGHTS == "int8" and split_spec("auto#4")[2] == 4
     with pytest.raises(Exception, match="weights"):
         HyFlashProposer(drafter, weights="int4")
+
+
+def test_lookup_then_drafter_grafts_weak_matches_onto_the_tree_and_stays_exact():
+    from hyflash.proposers import LookupThenDrafter
+
+    target = bf16_llama(seed=7)
+    drafter = _bf16_drafter(target, window=8)
+    g = torch.Generator().manual_seed(7)
+    phrase = torch.randint(1, 63, (6,), generator=g).tolist()
+    prompt = phrase * 2 + torch.randint(1, 63, (10,), generator=g).tolist()
+    plain = generate(target, prompt, None, max_new_tokens=40).token_ids
+    for weights in ("int8", "bf16"):
+        combo = LookupThenDrafter(HyFlashProposer(drafter, tree=4, weights=weights), min_match=3, graft=3)
+        assert generate(target, prompt, combo, max_new_tokens=40).token_ids == plain
+        assert combo.graft_rounds > 0

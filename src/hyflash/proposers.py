@@ -204,6 +204,22 @@ class HyFlashProposer:
         return 0 if self.state is None else self.state.nbytes()
 
 
+def graft(tree: Draft, chain: list[int]) -> Draft:
+    """``tree`` with ``chain`` (tokens following the anchor) merged in as a path from the root: existing nodes are
+    reused while the chain follows them, the rest is appended (parents before children, as verification needs)."""
+    tokens, parents = list(tree.tokens), list(tree.parents)
+    child = {(p, t): i for i, (t, p) in enumerate(zip(tokens, parents), start=1)}
+    node = 0
+    for t in chain:
+        nxt = child.get((node, t))
+        if nxt is None:
+            tokens.append(t)
+            parents.append(node)
+            nxt = child[(node, t)] = len(tokens)
+        node = nxt
+    return Draft(tokens, parents=parents)
+
+
 class LookupThenDrafter:
     """Prompt lookup when the last ``min_match`` or more tokens recur earlier in the sequence (a strong signal that
     the text is being copied), the trained drafter otherwise. The drafter commits every verified feature either way,
@@ -211,16 +227,23 @@ class LookupThenDrafter:
 
     needs_features = True
 
-    def __init__(self, drafter: HyFlashProposer, min_match: int = 3, max_ngram: int = 4):
+    def __init__(self, drafter: HyFlashProposer, min_match: int = 3, max_ngram: int = 4, graft: int = 3):
         self.drafter = drafter
         self.block_size = drafter.block_size
         self.lookup = NgramProposer(self.block_size, max_ngram=max(max_ngram, min_match), min_ngram=min_match)
-        self.lookup_rounds = self.rounds = 0
+        # When the drafter sends a tree, the continuation of a weaker match (the last 1 or 2 tokens) joins it as one
+        # more branch of up to ``graft`` nodes: verifying a few more tree nodes costs little, and a longer accepted
+        # path is kept whichever branch it follows. On 12 MT-Bench prompts (2026-11-30, our engine) grafts of 2, 3
+        # and 4 nodes raised τ from 1.81 to 1.89, 1.91, 1.92 and the speedup from 1.43x to 1.51x, 1.54x, 1.52x.
+        # 0: no graft.
+        self.weak = NgramProposer(graft, max_ngram=min(2, min_match - 1), min_ngram=1) \
+            if graft > 0 and min_match > 1 else None
+        self.lookup_rounds = self.rounds = self.graft_rounds = 0
 
     def reset(self, prompt_ids):
         self.lookup.reset(prompt_ids)
         self.drafter.reset(prompt_ids)
-        self.lookup_rounds = self.rounds = 0
+        self.lookup_rounds = self.rounds = self.graft_rounds = 0
 
     def commit(self, token_ids, features):
         self.lookup.commit(token_ids, features)
@@ -232,7 +255,13 @@ class LookupThenDrafter:
         if found.tokens:
             self.lookup_rounds += 1
             return found
-        return self.drafter.draft(anchor, max_tokens, sampling)
+        draft = self.drafter.draft(anchor, max_tokens, sampling)
+        if self.weak is not None and draft.parents is not None:
+            self.weak.tokens = self.lookup.tokens  # the same committed sequence
+            grown = graft(draft, self.weak.draft(anchor, max_tokens, sampling).tokens)
+            self.graft_rounds += len(grown.tokens) > len(draft.tokens)
+            draft = grown
+        return draft
 
     def state_bytes(self) -> int:
         return self.lookup.state_bytes() + self.drafter.state_bytes()
