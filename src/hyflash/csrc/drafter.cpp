@@ -272,14 +272,14 @@ std::vector<torch::Tensor> top_probs(torch::Tensor logits, int64_t k) {
   const int64_t S = x.size(0), V = x.size(1);
   auto probs = torch::empty({S, k}, torch::TensorOptions().dtype(torch::kFloat32));
   auto index = torch::empty({S, k}, torch::TensorOptions().dtype(torch::kInt64));
-  std::vector<float> row(V);
+  std::vector<float> widened(f32 ? 0 : V);  // a bf16 row widened once to fp32; fp32 rows are read in place
   for (int64_t s = 0; s < S; ++s) {
-    if (f32) std::memcpy(row.data(), x.data_ptr<float>() + s * V, V * sizeof(float));
-    else {
+    const float* row = f32 ? x.data_ptr<float>() + s * V : widened.data();
+    if (!f32) {
       const bf16* src = x.data_ptr<bf16>() + s * V;
       int64_t j = 0;
-      for (; j + 16 <= V; j += 16) _mm512_storeu_ps(&row[j], load16(src + j));
-      for (; j < V; ++j) row[j] = static_cast<float>(src[j]);
+      for (; j + 16 <= V; j += 16) _mm512_storeu_ps(&widened[j], load16(src + j));
+      for (; j < V; ++j) widened[j] = static_cast<float>(src[j]);
     }
     float best_v[16];
     int64_t best_i[16];

@@ -242,19 +242,17 @@ std::vector<torch::Tensor> llama_forward(
               "llama_forward: unsupported geometry");
   TORCH_CHECK(static_cast<int64_t>(parents.size()) == n - 1, "llama_forward: one parent per token after the first");
   // token i > 0 follows parents[i - 1] < i (a chain: i - 1) and sees its ancestors and itself, at start + its depth
-  std::vector<bool> sees_v(n * n, false);
+  std::unique_ptr<bool[]> sees(new bool[n * n]());
   std::vector<int64_t> depth(n, 0);
   for (int64_t i = 0; i < n; ++i) {
     if (i > 0) {
       const int64_t p = parents[i - 1];
       TORCH_CHECK(p >= 0 && p < i, "llama_forward: token ", i, " has parent ", p, "; a parent must come before it");
-      for (int64_t j = 0; j < n; ++j) sees_v[i * n + j] = sees_v[p * n + j];
+      std::memcpy(&sees[i * n], &sees[p * n], n * sizeof(bool));
       depth[i] = depth[p] + 1;
     }
-    sees_v[i * n + i] = true;
+    sees[i * n + i] = true;
   }
-  std::unique_ptr<bool[]> sees(new bool[n * n]);
-  for (int64_t j = 0; j < n * n; ++j) sees[j] = sees_v[j];
   for (int64_t i = 0; i < n; ++i) TORCH_CHECK(start + depth[i] < cos.size(0), "llama_forward: the RoPE table is too short");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == hd && sin.sizes() == cos.sizes(),
               "llama_forward: RoPE tables [positions, head_dim]");

@@ -58,19 +58,4 @@ inline void silu_mul(const bf16* gate_up, bf16* out, int64_t rows, int64_t inter
     }
 }
 
-// [sum(v[0]), ..., sum(v[15])]: sixteen horizontal sums at once (a transpose by shuffles, ~3 operations a sum
-// instead of a ~10-cycle dependent chain each)
-inline __m512 hsum16(const __m512* v) {
-  __m512 u[4];
-  for (int q = 0; q < 4; ++q) {
-    const __m512* w = v + 4 * q;
-    const __m512 t0 = _mm512_add_ps(_mm512_unpacklo_ps(w[0], w[1]), _mm512_unpackhi_ps(w[0], w[1]));
-    const __m512 t1 = _mm512_add_ps(_mm512_unpacklo_ps(w[2], w[3]), _mm512_unpackhi_ps(w[2], w[3]));
-    u[q] = _mm512_add_ps(_mm512_shuffle_ps(t0, t1, 0x44), _mm512_shuffle_ps(t0, t1, 0xEE));
-  }
-  const __m512 x0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
-  const __m512 x1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(x0, x1, 0x88), _mm512_shuffle_f32x4(x0, x1, 0xDD));
-}
-
 }  // namespace hyflash
