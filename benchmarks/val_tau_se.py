@@ -6,31 +6,48 @@ from the latest checkpoint of a run stopped early), re-evaluates ``final/`` on t
 anchors exactly as the training loop's validation does (``hyflash.train.evaluate``).
 
     python benchmarks/val_tau_se.py RUN_DIR [RUN_DIR ...]
+
+``--data STORE`` (repeatable) evaluates every run on those stores instead of its own (e.g. a first-stage drafter on
+the recall stage's mixture, for a before/after); a mixture is reported store by store, each on its own held-out
+sequences (``hyflash.train.split_store``).
+
+    python benchmarks/val_tau_se.py --data /work/data_cache/full/features --data /work/data_cache/recall/features \
+        /work/runs/hyflash /work/runs/hyflash-recall
 """
 
+import argparse
 import json
-import sys
 
 import torch
 
 from common import machine_line
 from hyflash.drafter.model import from_pretrained
 from hyflash.target import Target
-from hyflash.train import TrainConfig, check_store, evaluate, open_store, split_indices
+from hyflash.train import MixedStore, TrainConfig, check_store, evaluate, open_store, part_indices, split_store
 
 
 def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("runs", nargs="+", help="training run folders (with train_config.json and final/)")
+    p.add_argument("--data", action="append", help="feature store(s) to evaluate on instead of each run's own")
+    args = p.parse_args()
     torch.set_num_threads(1)
     print(machine_line())
-    print("run  val_tau  standard_error  anchors")
-    for run in sys.argv[1:]:
+    print("run  store  val_tau  standard_error  anchors")
+    for run in args.runs:
         cfg = TrainConfig.from_dict(json.load(open(f"{run}/train_config.json")))
+        if args.data:
+            cfg.data = args.data[0] if len(args.data) == 1 else args.data
         target = Target.load(cfg.target, "bf16", feature_layers=cfg.drafter.target_layers)
         store = open_store(cfg.data)
         check_store(store, target, cfg)
-        _, val = split_indices(len(store), cfg)
-        r = evaluate(from_pretrained(f"{run}/final", target, dtype=torch.float32), store, val, cfg)
-        print(f"{run}  {r['val_tau']:.4f}  {r['val_tau_se']:.4f}  {r['val_anchors']}")
+        _, val = split_store(store, cfg)
+        drafter = from_pretrained(f"{run}/final", target, dtype=torch.float32)
+        parts = part_indices(store, val) if isinstance(store, MixedStore) else [val]
+        names = cfg.data if isinstance(cfg.data, list) else [cfg.data]
+        for name, v in zip(names, parts):
+            r = evaluate(drafter, store, v, cfg)
+            print(f"{run}  {name}  {r['val_tau']:.4f}  {r['val_tau_se']:.4f}  {r['val_anchors']}")
 
 
 if __name__ == "__main__":

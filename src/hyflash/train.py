@@ -52,7 +52,8 @@ class TrainConfig:
     drafter: DrafterConfig = field(default_factory=DrafterConfig)  # saved as a nested dict
     # data
     target: str = "smollm2-135m"  # the target whose features are in the store (embedding + LM head come from it)
-    data: str = ""  # feature store directory, or a sequences JSONL whose features the target computes as it trains
+    data: str | list = ""  # feature store directory, or a sequences JSONL whose features the target computes as it
+    # trains; or a list of them, read as one mixture (each keeps its own validation split: see split_store)
     online_topk: int = 32  # with a sequences JSONL: the target's top-k logits kept per token (distillation)
     seq_len: int = 2048  # training length: longer sequences are cropped at a random offset
     anchors_per_seq: int = 32
@@ -154,11 +155,46 @@ class FeatureStore(Protocol):
     def __getitem__(self, i: int) -> dict: ...
 
 
-def open_store(path: str, target=None, topk: int = 32) -> FeatureStore:
+class MixedStore:
+    """Several stores read as one: item i of the mixture is item i − offset of the part it falls in. Every part must
+    hold features of the same target layers. ``parts`` keeps them apart for the split and for validation."""
+
+    def __init__(self, parts: list):
+        layers = {json.dumps((getattr(p, "config", None) or {}).get("feature_layers")) for p in parts}
+        if len(layers) > 1:
+            raise HyflashError(f"the stores of a mixture hold features of different target layers: {sorted(layers)}")
+        self.parts = parts
+        self.offsets = np.cumsum([0] + [len(p) for p in parts])
+        self.config = getattr(parts[0], "config", None)
+        self.total_tokens = sum(getattr(p, "total_tokens", 0) for p in parts)
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def __getitem__(self, i: int) -> dict:
+        k = int(np.searchsorted(self.offsets, i, side="right")) - 1
+        if not 0 <= k < len(self.parts):
+            raise IndexError(i)
+        return self.parts[k][i - int(self.offsets[k])]
+
+    def lengths(self) -> list[int]:
+        return [n for p in self.parts for n in p.lengths()]
+
+    def kinds(self) -> list[str | None]:
+        return [kind for p in self.parts for kind in p.kinds()]
+
+
+def open_store(path: str | list, target=None, topk: int = 32) -> FeatureStore:
     """A feature store directory (``hyflash.data.features``), or a sequences JSONL (``hyflash.data.sequences``)
-    whose features ``target`` computes when the loop reads them (``hyflash.data.online``: for GPUs)."""
+    whose features ``target`` computes when the loop reads them (``hyflash.data.online``: for GPUs); a list of
+    them is one ``MixedStore``."""
     from hyflash.data.features import FeatureStore as Store
 
+    if isinstance(path, (list, tuple)):
+        if not path:
+            raise HyflashError("data is an empty list")
+        parts = [open_store(p, target, topk) for p in path]
+        return parts[0] if len(parts) == 1 else MixedStore(parts)
     if not path or not Path(path).exists():
         raise HyflashError(f"feature store not found: {path!r} (set `data` in the recipe)")
     if Path(path).is_file():
@@ -203,6 +239,22 @@ def split_indices(n: int, cfg: TrainConfig) -> tuple[np.ndarray, np.ndarray]:
     n_val = min(n_val, n - 1)
     perm = np.random.default_rng([cfg.split_seed, 7]).permutation(n)
     return np.sort(perm[n_val:]), np.sort(perm[:n_val])
+
+
+def split_store(store, cfg: TrainConfig) -> tuple[np.ndarray, np.ndarray]:
+    """``split_indices`` applied to each part of a ``MixedStore`` on its own (indices shifted to the mixture): a
+    store keeps the held-out sequences it had alone, so a later stage that mixes in new data still validates on
+    what no stage trained on."""
+    if not isinstance(store, MixedStore):
+        return split_indices(len(store), cfg)
+    splits = [split_indices(len(p), cfg) for p in store.parts]
+    return (np.concatenate([t + off for (t, _), off in zip(splits, store.offsets)]),
+            np.concatenate([v + off for (_, v), off in zip(splits, store.offsets)]))
+
+
+def part_indices(store: "MixedStore", idx: np.ndarray) -> list[np.ndarray]:
+    """``idx`` cut by the part each index falls in."""
+    return [idx[(idx >= lo) & (idx < hi)] for lo, hi in zip(store.offsets[:-1], store.offsets[1:])]
 
 
 def weighted_indices(store, idx: np.ndarray, kind_weights: dict) -> np.ndarray:
@@ -580,7 +632,7 @@ def train(cfg: TrainConfig, out_dir, target=None, store=None, resume: bool = Tru
         target = Target.load(cfg.target, dtype="bf16", feature_layers=cfg.drafter.target_layers, device=device)
     store = store if store is not None else open_store(cfg.data, target, cfg.online_topk)
     check_store(store, target, cfg)
-    train_idx, val_idx = split_indices(len(store), cfg)
+    train_idx, val_idx = split_store(store, cfg)
     order_idx = weighted_indices(store, train_idx, cfg.kind_weights)
     torch.manual_seed(cfg.seed)
     dcfg = DrafterConfig.from_dict({**cfg.drafter.to_dict(), "draft_vocab_size": cfg.draft_vocab})
@@ -660,6 +712,9 @@ def train(cfg: TrainConfig, out_dir, target=None, store=None, resume: bool = Tru
             if step % cfg.eval_every == 0 or step == cfg.steps:
                 if len(val_idx):
                     rec.update(evaluate(drafter, store, val_idx, cfg))
+                if isinstance(store, MixedStore):  # each part's held-out τ̂ on its own (part 0: the earlier stages')
+                    rec["val_tau_parts"] = [evaluate(drafter, store, v, cfg)["val_tau"] if len(v) else None
+                                            for v in part_indices(store, val_idx)]
             log.write(json.dumps(rec) + "\n")
             log.flush()
             bar.set_postfix_str(f"loss {rec['loss']:.3f} acc " + " ".join(f"{a * 100:.0f}" for a in acc)
@@ -744,9 +799,9 @@ def plot_losses(out_dir) -> Path | None:
               help="Recipe name (e.g. smollm2-hyflash) or path to a TrainConfig JSON.")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Output directory.")
 @click.option("--steps", type=int, default=None, help="Override the recipe's number of steps.")
-@click.option("--data", default=None,
+@click.option("--data", multiple=True,
               help="Override the recipe's data: a feature store directory, or a sequences JSONL (features computed "
-                   "online by the target: for GPUs).")
+                   "online by the target: for GPUs). Given more than once: a mixture of them.")
 @click.option("--init-from", default=None, type=click.Path(file_okay=False),
               help="Override the recipe's init_from: a saved drafter to continue training from.")
 @click.option("--threads", type=int, default=None, help="Override the recipe's torch CPU threads per process.")
@@ -771,8 +826,8 @@ def train_command(recipe, out, steps, data, init_from, threads, device, override
     cfg = apply_overrides(load_recipe(recipe), overrides)
     if steps is not None:
         cfg.steps = steps
-    if data is not None:
-        cfg.data = data
+    if data:
+        cfg.data = data[0] if len(data) == 1 else list(data)
     if init_from is not None:
         cfg.init_from = init_from
     if threads is not None:

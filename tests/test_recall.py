@@ -1,0 +1,83 @@
+"""Recall sequences copy earlier passages verbatim at near and far distances, skip held-out text, and train as a
+mixture with the base store, which keeps its own held-out split."""
+
+import json
+
+import numpy as np
+import pytest
+
+from hyflash import HyflashError
+from hyflash.data.recall import build_recall, copy_follow_rate, recall_sequence
+from hyflash.train import MixedStore, split_indices, split_store, train
+from test_train import FakeStore, target, tiny_config  # noqa: F401 (target: a fixture)
+
+
+def test_every_copy_repeats_an_earlier_passage_near_or_far():
+    base = list(range(10_000, 12_048))  # distinct tokens: a copy's source is found by value
+    near = far = 0
+    for seed in range(5):
+        ids, spans = recall_sequence(base, np.random.default_rng(seed), max_len=2048, near_max=224, far_min=320)
+        assert len(ids) <= 2048 and spans
+        rest = [t for i, t in enumerate(ids) if not any(s <= i < e for s, e in spans)]
+        assert rest == base[:len(rest)]  # outside the copies, the base text in order
+        for s, e in spans:
+            assert 32 <= e - s <= 96 or e == len(ids)
+            # where the passage occurred before (a copy may itself contain an earlier copy: several places)
+            dists = [s - k for k in range(s) if ids[k:k + e - s] == ids[s:e]]
+            fits = [d for d in dists if d <= 224 or d >= 320 + (e - s)]
+            assert fits, (s, e, dists)
+            near, far = near + (min(fits) <= 224), far + (min(fits) > 224)
+    assert near and far
+
+
+def test_recall_data_skips_the_recipes_held_out_sequences(tmp_path):
+    seqs = [{"id": f"s{i}", "kind": "document", "ids": list(range(i * 3000, i * 3000 + 1600)), "spans": [[1, 1600]]}
+            for i in range(50)]
+    path = tmp_path / "sequences.jsonl"
+    path.write_text("".join(json.dumps(s) + "\n" for s in seqs))
+    recipe = tmp_path / "r.json"
+    recipe.write_text(json.dumps({"val_fraction": 0.1, "val_sequences": 5}))
+    meta = build_recall(path, tmp_path / "recall.jsonl", count=100, recipe=str(recipe))
+    _, val = split_indices(50, tiny_config(val_fraction=0.1, val_sequences=5))
+    held = {f"s{int(i)}" for i in val}
+    out = [json.loads(line) for line in open(tmp_path / "recall.jsonl")]
+    assert meta["held_out_skipped"] == 5 and len(out) == 45
+    assert all(r["kind"] == "recall" and r["id"].removeprefix("recall/") not in held for r in out)
+    with pytest.raises(HyflashError, match="no sequence"):
+        build_recall(path, tmp_path / "none.jsonl", min_len=5000)
+
+
+def test_a_mixture_keeps_each_stores_held_out_split(target, tmp_path):
+    a, b = FakeStore(target, n=10, seed=0), FakeStore(target, n=6, seed=1)
+    mix = MixedStore([a, b])
+    assert len(mix) == 16 and mix[12] is b[2] and mix[3] is a[3]
+    cfg = tiny_config(val_fraction=0.2, val_sequences=2)
+    train_idx, val_idx = split_store(mix, cfg)
+    alone_train, alone_val = split_indices(10, cfg)
+    assert np.array_equal(val_idx[val_idx < 10], alone_val)  # the base store validates where it did alone
+    assert np.array_equal(train_idx[train_idx < 10], alone_train)
+    assert sorted(np.concatenate([train_idx, val_idx]).tolist()) == list(range(16))
+    train(tiny_config(steps=3, eval_every=3, ckpt_every=3), tmp_path, target, mix)
+    last = [json.loads(line) for line in open(tmp_path / "log.jsonl")][-1]
+    assert len(last["val_tau_parts"]) == 2 and all(t >= 1.0 for t in last["val_tau_parts"])
+
+
+def test_the_recall_stage_is_the_same_for_every_variant():
+    """Equal budgets: the recall stage of HyFlash, sliding window and no slot attention differs only in the drafter
+    (each its first stage's) and where it starts from."""
+    from hyflash.train import load_recipe
+
+    stages = {v: load_recipe(f"smollm2-{v}-recall").to_dict() for v in ("hyflash", "swa", "noslot")}
+    firsts = {"hyflash": "smollm2-hyflash", "swa": "smollm2-swa", "noslot": "smollm2-hyflash-noslot"}
+    for v, d in stages.items():
+        assert d["drafter"] == load_recipe(firsts[v]).to_dict()["drafter"]
+        assert d["init_from"] == f"runs/{v}/final" and d["kind_weights"]["recall"] > 0 and len(d["data"]) == 2
+    rest = [{k: x for k, x in d.items() if k not in ("drafter", "init_from")} for d in stages.values()]
+    assert all(r == rest[0] for r in rest)
+
+
+def test_copy_follow_rate_counts_where_the_targets_token_continues_the_copy():
+    ids = np.array([5, 6, 7, 8, 5, 6, 7, 8, 9])
+    labels = np.array([0, 0, 0, 0, 6, 7, 0, 0, 0])  # continues the copy [4, 8) at 4 and 5, not at 6
+    rate, n, by_off = copy_follow_rate([{"input_ids": ids, "labels": labels, "spans": [[4, 8]]}], by_offset=3)
+    assert n == 3 and rate == pytest.approx(2 / 3) and by_off == [1.0, 1.0, 0.0]
