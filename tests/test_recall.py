@@ -57,6 +57,12 @@ def test_a_mixture_keeps_each_stores_held_out_split(target, tmp_path):
     assert np.array_equal(val_idx[val_idx < 10], alone_val)  # the base store validates where it did alone
     assert np.array_equal(train_idx[train_idx < 10], alone_train)
     assert sorted(np.concatenate([train_idx, val_idx]).tolist()) == list(range(16))
+    a.config, b.config = {"feature_layers": [0, 1]}, {"feature_layers": [1, 2]}
+    with pytest.raises(HyflashError, match="different target layers"):
+        MixedStore([a, b])
+    b.config = {"online": True}  # an online store computes whatever layers the drafter reads
+    assert MixedStore([b, a]).config == {"feature_layers": [0, 1]}
+    del a.config, b.config
     train(tiny_config(steps=3, eval_every=3, ckpt_every=3), tmp_path, target, mix)
     last = [json.loads(line) for line in open(tmp_path / "log.jsonl")][-1]
     assert len(last["val_tau_parts"]) == 2 and all(t >= 1.0 for t in last["val_tau_parts"])
