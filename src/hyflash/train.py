@@ -160,14 +160,14 @@ class MixedStore:
     hold features of the same target layers. ``parts`` keeps them apart for the split and for validation."""
 
     def __init__(self, parts: list):
-        layers = {json.dumps(x) for p in parts  # an online store has none: its target computes any layers
-                  if (x := (getattr(p, "config", None) or {}).get("feature_layers")) is not None}
-        if len(layers) > 1:
-            raise HyflashError(f"the stores of a mixture hold features of different target layers: {sorted(layers)}")
+        configs = [getattr(p, "config", None) or {} for p in parts]
+        cached = [c for c in configs if c.get("feature_layers") is not None]  # an online store computes any layers
+        if len({json.dumps(c["feature_layers"]) for c in cached}) > 1:
+            raise HyflashError("the stores of a mixture hold features of different target layers: "
+                               f"{[c['feature_layers'] for c in cached]}")
         self.parts = parts
         self.offsets = np.cumsum([0] + [len(p) for p in parts])
-        self.config = next((p.config for p in parts if (getattr(p, "config", None) or {}).get("feature_layers")),
-                           getattr(parts[0], "config", None))
+        self.config = cached[0] if cached else configs[0]
         self.total_tokens = sum(getattr(p, "total_tokens", 0) for p in parts)
 
     def __len__(self) -> int:
