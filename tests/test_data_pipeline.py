@@ -315,3 +315,13 @@ def test_training_on_a_gpu_with_online_features_learns(target, sequences, tmp_pa
     log = [json.loads(line) for line in (tmp_path / "gpu" / "log.jsonl").read_text().splitlines()]
     assert len(log) == 40 and np.mean([r["loss"] for r in log[-10:]]) < np.mean([r["loss"] for r in log[:10]])
     assert (tmp_path / "gpu" / "final" / "model.safetensors").exists()
+
+
+def test_documents_only_for_a_base_model_without_regenerated_answers(target, documents_file, tmp_path):
+    out = tmp_path / "docs_only.jsonl"
+    meta = build_sequences(None, documents_file, out, target, max_len=MAX_LEN, min_len=8)
+    seqs = read(out)
+    assert seqs and all(s["kind"] == "document" for s in seqs)
+    assert meta["counts"]["chat"]["sequences"] == 0 and meta["responses_dir"] is None
+    with pytest.raises(HyflashError, match="nothing to build"):
+        build_sequences(None, None, tmp_path / "nothing.jsonl", target, max_len=MAX_LEN)

@@ -307,3 +307,24 @@ def test_training_report_compares_runs_at_equal_steps_on_fake_logs(tmp_path):
     assert float(row["depth1"][1][:-1]) < float(row["hyflash"][1][:-1]) < float(row["gdn"][1][:-1])
     with pytest.raises(HyflashError, match="not a training run"):
         build_training_report([tmp_path], tmp_path / "x", 500, "test")
+
+
+class _BaseModel:
+    """The SmolLM2 tokenizer with its chat template taken away: a base model, as Gemma 3 270M is."""
+
+    def __init__(self, t):
+        self._t, self.has_chat_template = t, False
+
+    def __getattr__(self, name):
+        return getattr(self._t, name)
+
+
+def test_a_base_model_gets_plain_prompts_that_still_fall_inside_their_bucket(smollm2_fp32):
+    t = _BaseModel(smollm2_fp32)
+    items = S.long_items("hotpotqa", t, {"hotpotqa": synthetic_hotpot()}, ["512-1K"], limit=2)
+    assert len(items) == 2
+    for item in items:
+        text = t.decode(item.prompt_ids)
+        assert 512 <= len(item.prompt_ids) < 1024
+        assert "<|im_start|>" not in t.tokenizer.decode(item.prompt_ids)  # no chat template
+        assert text.startswith("Passage 1:") and text.endswith("Answer:\n\n")

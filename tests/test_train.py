@@ -285,11 +285,12 @@ def test_reduced_draft_vocab_trains_and_decodes_losslessly(target, store, tmp_pa
     assert generate(target, prompt, HyFlashProposer(drafter), max_new_tokens=30).token_ids == plain.token_ids
 
 
-def test_recipes_have_matched_parameter_budgets():
-    recipes = {name: load_recipe(f"smollm2-{name}") for name in ("hyflash", "full", "swa")}
+@pytest.mark.parametrize("family,seq_len", [("smollm2", 2048), ("gemma3", 4096)])
+def test_recipes_have_matched_parameter_budgets(family, seq_len):
+    recipes = {name: load_recipe(f"{family}-{name}") for name in ("hyflash", "full", "swa")}
     counts = {}
     for name, cfg in recipes.items():
-        assert cfg.drafter.variant == name and cfg.drafter.num_layers == 2 and cfg.seq_len == 2048
+        assert cfg.drafter.variant == name and cfg.drafter.num_layers == 2 and cfg.seq_len == seq_len
         emb = torch.zeros(1, cfg.drafter.hidden_size)
         counts[name] = HyFlashDrafter(cfg.drafter, emb, emb).num_parameters()
     assert max(counts.values()) / min(counts.values()) < 1.03, counts
@@ -344,3 +345,71 @@ def test_a_batch_without_supervised_anchors_has_zero_loss_not_nan(target):
     loss.backward()
     assert loss.item() == 0.0 and count.sum() == 0
     assert all(torch.isfinite(p.grad).all() for p in drafter.parameters() if p.grad is not None)
+
+
+def test_draft_vocab_ceiling_counts_what_a_reduced_vocabulary_cannot_draft(store):
+    from hyflash.train import draft_vocab_ceiling, draft_vocabulary, split_store
+
+    cfg = tiny_config()
+    train_idx, val_idx = split_store(store, cfg)
+    full, small, one = draft_vocab_ceiling(store, train_idx, val_idx, cfg, [0, 3, 1], VOCAB)
+    # by hand, on the same held-out blocks that evaluate() scores
+    targets, masks = [], []
+    for k in range(0, len(val_idx), cfg.batch_seqs):
+        b = make_batch(store, [int(i) for i in val_idx[k:k + cfg.batch_seqs]], cfg,
+                       np.random.default_rng([cfg.seed, 99, k]), with_topk=False)
+        real = b["mask"][..., 0]
+        targets.append(b["targets"][real])
+        masks.append(b["mask"][real])
+    t, m = torch.cat(targets), torch.cat(masks)
+    kept = draft_vocabulary(store, train_idx, 3, VOCAB)
+    inside = torch.isin(t, kept) & m
+    assert full["draft_vocab"] == VOCAB and full["coverage"] == 1.0
+    assert full["ceiling_tau"] == pytest.approx(1 + torch.cumprod(m.long(), -1).sum(-1).double().mean().item())
+    assert small["coverage"] == pytest.approx((inside.sum() / m.sum()).item())
+    assert small["ceiling_tau"] == pytest.approx(1 + torch.cumprod(inside.long(), -1).sum(-1).double().mean().item())
+    assert full["ceiling_tau"] > small["ceiling_tau"] > one["ceiling_tau"] >= 1.0 and small["coverage"] < 1
+    assert one["coverage"] < small["coverage"] and full["anchors"] == small["anchors"] == len(t) > 0
+
+
+def test_validation_bounds_what_the_reduced_vocabulary_costs(target, store, tmp_path):
+    from hyflash.train import evaluate, split_store
+
+    cfg = tiny_config(steps=4, draft_vocab=3, eval_every=4, ckpt_every=4)
+    train(cfg, tmp_path / "three", target, store)
+    log = [json.loads(line) for line in (tmp_path / "three" / "log.jsonl").read_text().splitlines()]
+    bounded = [rec for rec in log if "val_tau_vocab_free" in rec]
+    # 3 of 32 ids leave held-out labels no draft can hit (a third are inside): counting them as hits raises τ̂
+    assert bounded and all(rec["val_tau_vocab_free"] > rec["val_tau"] for rec in bounded)
+    # a draft vocabulary of every id leaves nothing out: the bound is τ̂ itself
+    cfg_all = tiny_config(steps=4, draft_vocab=VOCAB, eval_every=4, ckpt_every=4)
+    train(cfg_all, tmp_path / "all", target, store)
+    drafter = from_pretrained(tmp_path / "all" / "final", target, dtype=torch.float32)
+    r = evaluate(drafter, store, split_store(store, cfg_all)[1], cfg_all)
+    assert r["val_tau_vocab_free"] == r["val_tau"]
+
+
+def test_init_from_a_gemma_target_copies_the_scales_its_norms_apply():
+    """Gemma's RMSNorm computes x·(1 + w); ours x·w. The MLP's own pre-norm is Gemma's pre-feedforward norm."""
+    from conftest import tiny_gemma3
+    from hyflash.drafter.model import new_drafter
+
+    t = tiny_gemma3(vocab=VOCAB, hidden=32, layers=4)
+    with torch.no_grad():
+        for p in t.model.parameters():
+            if p.dim() == 1:
+                p.uniform_(-0.5, 0.5)  # norms start at zero in a fresh Gemma: make them tell apart
+    cfg = DrafterConfig(**{**DRAFTER, "num_heads": t.model.config.num_attention_heads,
+                           "num_kv_heads": t.model.config.num_key_value_heads, "head_dim": t.model.config.head_dim,
+                           "intermediate_size": t.model.config.intermediate_size})
+    d = new_drafter(cfg, t, dtype=torch.float64)
+    copied = init_from_target(d, t)
+    j = top_half_layers(4, 2)[1]
+    src = t.model.model.layers[j]
+    assert torch.equal(d.layers[1].norm.weight, 1 + src.input_layernorm.weight)
+    assert torch.equal(d.layers[1].mlp_norm.weight, 1 + src.pre_feedforward_layernorm.weight)
+    assert torch.equal(d.layers[1].attn.q_norm.weight, 1 + src.self_attn.q_norm.weight)
+    assert torch.equal(d.norm.weight, 1 + t.model.model.norm.weight)
+    x = torch.randn(3, 32, dtype=torch.float64)
+    assert torch.allclose(d.layers[1].norm(x), src.input_layernorm(x))  # the same function, not just the numbers
+    assert f"layers.1.attn.q_proj <- {j}" in copied

@@ -398,6 +398,35 @@ def draft_vocabulary(store, train_idx, size: int, vocab_size: int, max_sequences
     return torch.from_numpy(np.sort(np.argsort(-counts, kind="stable")[:size]))
 
 
+@torch.no_grad()
+def draft_vocab_ceiling(store, train_idx, val_idx, cfg: "TrainConfig", sizes: list[int], vocab_size: int) -> list[dict]:
+    """What a reduced draft vocabulary can cost, before any drafter is trained: for each size N (0 = the full
+    vocabulary), the N most frequent training labels (``draft_vocabulary``), then on the held-out blocks that
+    ``evaluate`` scores (same sequences, crops and anchors) the share of supervised target tokens inside the vocabulary
+    and the ceiling τ = 1 + mean all-correct prefix of a drafter that is right whenever the token is in its
+    vocabulary. The difference between two sizes' ceilings bounds what the smaller one can cost a drafter in τ."""
+    S = cfg.drafter.block_size
+    batches = []
+    for k in range(0, len(val_idx), cfg.batch_seqs):
+        ids = [int(i) for i in val_idx[k:k + cfg.batch_seqs]]
+        b = make_batch(store, ids, cfg, np.random.default_rng([cfg.seed, 99, k]), with_topk=False)
+        real = b["mask"][..., 0]
+        batches.append((b["targets"][real], b["mask"][real]))  # [anchors, S] each
+    targets = torch.cat([t for t, _ in batches]) if batches else torch.zeros(0, S, dtype=torch.long)
+    mask = torch.cat([m for _, m in batches]) if batches else torch.zeros(0, S, dtype=torch.bool)
+    out = []
+    for size in sizes:
+        inside = torch.ones(vocab_size, dtype=torch.bool)
+        if size:
+            inside.zero_()[draft_vocabulary(store, train_idx, size, vocab_size)] = True
+        ok = inside[targets] & mask
+        prefix = torch.cumprod(ok.long(), dim=-1).sum(-1).double()
+        out.append({"draft_vocab": size or vocab_size, "coverage": float(ok.sum() / mask.sum().clamp_min(1)),
+                    "ceiling_tau": 1 + float(prefix.mean()) if len(prefix) else float("nan"),
+                    "anchors": len(prefix)})
+    return out
+
+
 def to_draft_vocab(b: dict, index_of: torch.Tensor) -> dict:
     """Targets and top-k ids as draft-vocabulary indices. A target outside the draft vocabulary becomes −1 (a certain
     miss, left out of the loss); top-k entries outside it get −inf, so the distillation target renormalises on the
@@ -466,7 +495,8 @@ def init_from_drafter(drafter: HyFlashDrafter, path, target) -> list[str]:
 @torch.no_grad()
 def init_from_target(drafter: HyFlashDrafter, target) -> list[str]:
     """Copy attention q/k/v/o (and q/k norms where the target has them), MLP gate/up/down and both norms from target
-    layers chosen by ``top_half_layers``, and the target's final norm. Anything whose shape differs is skipped, except
+    layers chosen by ``top_half_layers``, and the target's final norm (Gemma's norms as the scales they apply; its
+    MLP's GELU becomes our SiLU, so there the copy is a starting point, not the target's function). Anything whose shape differs is skipped, except
     a drafter MLP wider than the target's: the target's units go first and the extra units start with zero output
     weights, so the widened MLP computes the target's MLP at initialisation. Returns what was copied."""
     t_layers = target.model.get_decoder().layers
@@ -477,6 +507,12 @@ def init_from_target(drafter: HyFlashDrafter, target) -> list[str]:
             dst.copy_(src.to(dst.dtype))
             copied.append(name)
 
+    def norm_weight(norm) -> torch.Tensor | None:
+        """The scale an RMSNorm applies: Gemma's norms compute x·(1 + w), ours x·w."""
+        if norm is None:
+            return None
+        return norm.weight + 1 if type(norm).__name__.startswith("Gemma") else norm.weight
+
     for i, j in enumerate(top_half_layers(len(t_layers), len(drafter.layers))):
         d, t = drafter.layers[i], t_layers[j]
         att, mlp = t.self_attn, t.mlp
@@ -484,9 +520,12 @@ def init_from_target(drafter: HyFlashDrafter, target) -> list[str]:
             put(getattr(d.attn, name).weight, getattr(att, name).weight, f"layers.{i}.attn.{name} <- {j}")
         for name in ("q_norm", "k_norm"):
             if hasattr(att, name):
-                put(getattr(d.attn, name).weight, getattr(att, name).weight, f"layers.{i}.attn.{name} <- {j}")
-        put(d.norm.weight, t.input_layernorm.weight, f"layers.{i}.norm <- {j}")
-        put(d.mlp_norm.weight, t.post_attention_layernorm.weight, f"layers.{i}.mlp_norm <- {j}")
+                put(getattr(d.attn, name).weight, norm_weight(getattr(att, name)), f"layers.{i}.attn.{name} <- {j}")
+        put(d.norm.weight, norm_weight(t.input_layernorm), f"layers.{i}.norm <- {j}")
+        # the norm in front of the MLP: Gemma has one of its own (its post-attention norm scales the attention output)
+        mlp_norm = getattr(t, "pre_feedforward_layernorm", None)
+        mlp_norm = t.post_attention_layernorm if mlp_norm is None else mlp_norm
+        put(d.mlp_norm.weight, norm_weight(mlp_norm), f"layers.{i}.mlp_norm <- {j}")
         gate, up, down = mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight  # [I, d], [I, d], [d, I]
         I, I_d = gate.shape[0], d.mlp.down.weight.shape[1]
         if d.mlp.gate_up.weight.shape[1] == gate.shape[1] and d.mlp.down.weight.shape[0] == down.shape[0] and I <= I_d:
@@ -494,7 +533,7 @@ def init_from_target(drafter: HyFlashDrafter, target) -> list[str]:
             d.mlp.gate_up.weight[I_d:I_d + I] = up
             d.mlp.down.weight.zero_()[:, :I] = down
             copied.append(f"layers.{i}.mlp <- {j}" + (f" (widened {I} -> {I_d})" if I < I_d else ""))
-    put(drafter.norm.weight, getattr(target.model.get_decoder(), "norm", None).weight, "norm <- final norm")
+    put(drafter.norm.weight, norm_weight(getattr(target.model.get_decoder(), "norm", None)), "norm <- final norm")
     return copied
 
 
@@ -522,11 +561,14 @@ def draft_index(drafter: HyFlashDrafter) -> torch.Tensor | None:
 @torch.no_grad()
 def evaluate(drafter: HyFlashDrafter, store, val_idx, cfg: TrainConfig) -> dict:
     """Per-slot accuracy and τ̂ = 1 + mean over anchors of the longest all-correct prefix of argmax drafts, on the
-    held-out sequences with fixed anchors, with its standard error over those anchors (``val_tau_se``)."""
+    held-out sequences with fixed anchors, with its standard error over those anchors (``val_tau_se``). With a
+    reduced draft vocabulary also ``val_tau_vocab_free``: τ̂ counting every target token outside the vocabulary as
+    drafted right, an upper bound on τ̂ had the same drafter kept the full vocabulary."""
     was_training = drafter.training
     drafter.eval()
     S = cfg.drafter.block_size
     correct, count, prefix, prefix_sq, anchors = torch.zeros(S), torch.zeros(S), 0.0, 0.0, 0  # sums on the CPU
+    prefix_free = 0.0
     for k in range(0, len(val_idx), cfg.batch_seqs):
         ids = [int(i) for i in val_idx[k:k + cfg.batch_seqs]]
         b = make_batch(store, ids, cfg, np.random.default_rng([cfg.seed, 99, k]), with_topk=False)
@@ -544,12 +586,18 @@ def evaluate(drafter: HyFlashDrafter, store, val_idx, cfg: TrainConfig) -> dict:
         prefix += float(accepted.sum())
         prefix_sq += float((accepted ** 2).sum())
         anchors += int(real.sum())
+        if drafter.draft_vocab is not None:  # as if every token outside the draft vocabulary had been drafted right
+            ok_free = ((logits.argmax(-1) == b["targets"]) | (b["targets"] < 0)) & b["mask"]
+            prefix_free += float(torch.cumprod(ok_free.long(), dim=-1).sum(-1)[real].sum())
     drafter.train(was_training)
     acc = (correct / count.clamp_min(1)).tolist()
     mean = prefix / max(anchors, 1)
     se = math.sqrt(max(prefix_sq / max(anchors, 1) - mean ** 2, 0.0) / max(anchors - 1, 1))  # over anchors
-    return {"val_acc": [round(a, 4) for a in acc], "val_tau": round(1 + mean, 4), "val_tau_se": round(se, 4),
-            "val_anchors": anchors}
+    out = {"val_acc": [round(a, 4) for a in acc], "val_tau": round(1 + mean, 4), "val_tau_se": round(se, 4),
+           "val_anchors": anchors}
+    if drafter.draft_vocab is not None:  # minus val_tau: at most what the reduced draft vocabulary costs this drafter
+        out["val_tau_vocab_free"] = round(1 + prefix_free / max(anchors, 1), 4)
+    return out
 
 
 # ------------------------------------------------------------------------------------------- checkpoints

@@ -123,11 +123,14 @@ def build_sequences(responses_dir, documents_path, out_path, target: str | Targe
     """Write the chat, packed and document sequences to `out_path` (see the module docstring); return counts.
 
     doc_tokens: stop taking document chunks (in the split's shuffled document order) at this many tokens;
-    0 takes none, None takes all. documents_path may be None for chat only. singles=False keeps conversations only
+    0 takes none, None takes all. documents_path may be None for chat only, and responses_dir None for documents
+    only (a base-model target, which has no chat template to regenerate answers with). singles=False keeps conversations only
     inside packs (each answer once, in full-length sequences: cheaper to train on than many short ones).
     """
     out = Path(out_path)
-    shards = response_shards(responses_dir)
+    if responses_dir is None and not documents_path:
+        raise HyflashError("nothing to build: give regenerated responses, documents, or both")
+    shards = response_shards(responses_dir) if responses_dir is not None else []
     tokenizer = load_tokenizer(target)
     inputs = {"format": FORMAT_VERSION, "responses": {p.name: sha256_file(p) for p in shards},
               "documents_sha256": sha256_file(Path(documents_path)) if documents_path else None,
@@ -169,7 +172,7 @@ def build_sequences(responses_dir, documents_path, out_path, target: str | Targe
                     taken += len(c["ids"])
                     bar.update(len(c["ids"]))
 
-    if not pack and not singles:
+    if chats and not pack and not singles:
         raise HyflashError("no conversations left: both packing and single conversations are off")
     packed_ids = {p for q in packs for p in q["parts"]}
     singles_kept = chats if singles else [c for c in chats if c["id"] not in packed_ids]  # a lone leftover stays
@@ -187,7 +190,7 @@ def build_sequences(responses_dir, documents_path, out_path, target: str | Targe
         counts[kind] = {"sequences": len(group), "tokens": sum(len(s["ids"]) for s in group),
                         "supervised": sum(e - s for q in group for s, e in q["spans"])}
     meta = {"inputs": inputs, "counts": counts, "sha256": sha256_file(out),
-            "responses_dir": str(responses_dir), "documents": str(documents_path) if documents_path else None}
+            "responses_dir": str(responses_dir) if responses_dir is not None else None, "documents": str(documents_path) if documents_path else None}
     write_json(meta_path, meta)
     for kind, c in counts.items():
         print(f"sequences: {kind:8s} {c['sequences']:6d} sequences {c['tokens']:>11,} tokens "
@@ -197,7 +200,8 @@ def build_sequences(responses_dir, documents_path, out_path, target: str | Targe
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m hyflash.data.sequences", description=__doc__.split("\n")[0])
-    p.add_argument("--responses", required=True, help="folder of responses-*.jsonl (hyflash.data.regenerate)")
+    p.add_argument("--responses", default=None,
+                   help="folder of responses-*.jsonl (hyflash.data.regenerate); omit for documents only")
     p.add_argument("--documents", default=None, help="train_documents.jsonl (hyflash.data.split)")
     p.add_argument("--out", required=True, help="sequences.jsonl to write")
     p.add_argument("--target", default="smollm2-135m")

@@ -71,7 +71,11 @@ def load_records(source: str, limit: int | None = None, cache=None) -> list[dict
 
 # ------------------------------------------------------------------------------------------- short suites
 def _chat(target, text: str) -> list[int]:
-    return target.encode(text, chat=True)
+    """A user turn in the chat template; a base model (no template) gets the plain text, then a blank line,
+    and continues from there."""
+    if getattr(target, "has_chat_template", True):
+        return target.encode(text, chat=True)
+    return target.encode(text.rstrip() + "\n\n", chat=False)
 
 
 def short_items(suite: str, target, records: dict[str, list[dict]], limit: int) -> list[EvalItem]:
