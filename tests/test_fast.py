@@ -49,6 +49,41 @@ def test_logits_and_features_match_through_blocks_and_rollbacks(one_thread, arch
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+def test_a_prefill_keeps_only_the_last_rows_logits(one_thread, arch):
+    """A long prompt's logits are [n, V]: with Gemma's 262K vocabulary 17 GB at 16K tokens. A prefill needs only the
+    last row; both paths give it equal to the last row of the full logits, with the same features and cache."""
+    for t in both(arch=arch):
+        ids = torch.randint(1, 49, (20,), generator=torch.Generator().manual_seed(3))
+        full_cache, last_cache = t.new_cache(32), t.new_cache(32)
+        full = t.forward(ids, full_cache)
+        last = t.forward(ids, last_cache, last_only=True)
+        assert last.logits.shape == (1, full.logits.shape[1])
+        assert torch.allclose(last.logits[0], full.logits[-1], atol=1e-10, rtol=1e-10)
+        assert torch.equal(last.features, full.features)
+        assert t.cache_length(last_cache) == t.cache_length(full_cache) == 20
+        nxt = torch.tensor([7])
+        assert torch.allclose(t.forward(nxt, last_cache).logits, t.forward(nxt, full_cache).logits,
+                              atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_prompt_run_in_chunks_equals_one_pass(one_thread, arch):
+    """prompt_forward's chunks (here 7 tokens, past Gemma's 6-token sliding window) give the one-pass logits,
+    features and cache, on the transformers path and ours."""
+    from hyflash.decoding import prompt_forward
+
+    for t in both(arch=arch):
+        ids = torch.randint(1, 49, (23,), generator=torch.Generator().manual_seed(4)).tolist()
+        one, chunked = t.new_cache(40), t.new_cache(40)
+        logits1, feats1 = prompt_forward(t, ids, one, features=True, chunk=len(ids))
+        logits7, feats7 = prompt_forward(t, ids, chunked, features=True, chunk=7)
+        assert torch.allclose(logits1, logits7, atol=1e-10, rtol=1e-10) and logits7.shape == (50,)
+        assert torch.allclose(feats1, feats7, atol=1e-10, rtol=1e-10) and feats7.shape[0] == 23
+        nxt = torch.tensor([5, 9])
+        assert torch.allclose(t.forward(nxt, one).logits, t.forward(nxt, chunked).logits, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_generation_is_identical_on_the_fast_path(one_thread, temperature, arch):
     slow, fast = both(seed=1, arch=arch)

@@ -151,15 +151,17 @@ class LeanLlama:
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, cache: StaticCache, feature_layers: list[int] | None,
-                parents: list[int] | None = None):
+                parents: list[int] | None = None, last_only: bool = False):
         """ids [n] after cache.length cached tokens → (fp32 logits [n, V], features [n, F] or None, each row's
-        argmax [n] int64 where the C++ forward computed it, else None).
+        argmax [n] int64 where the C++ forward computed it, else None). ``last_only``: logits of the last row only
+        ([1, V]; a long prompt's [n, V] logits can outgrow memory when the vocabulary is large).
         ``parents``: the new tokens form a tree (token i follows token parents[i − 1] < i; token 0 follows the
         cache), each sees the cache and its own ancestors, at position start + its depth; None: a chain."""
         n = ids.shape[0]
         start, end = cache.span(n)
         if self.native is not None and n <= AMX_MAX_ROWS and ids.device.type == "cpu":
-            return self._native_forward(ids, cache, feature_layers, parents, start, end)
+            logits, features, top = self._native_forward(ids, cache, feature_layers, parents, start, end)
+            return (logits[-1:], features, None) if last_only else (logits, features, top)
         h = F.embedding(ids, self.embed)  # [n, d]
         if parents is None:
             positions = torch.arange(start, end, device=ids.device)
@@ -195,7 +197,7 @@ class LeanLlama:
             if i in keep:
                 feats.append(h)
         cache.length = end
-        logits = self.head(self._norm(h, self.final_norm)).float()
+        logits = self.head(self._norm(h[-1:] if last_only else h, self.final_norm)).float()
         features = torch.cat([feats[sorted(keep).index(i)] for i in feature_layers], dim=-1) if feature_layers \
             else None
         return logits, features, None
@@ -277,9 +279,10 @@ class LeanGemma3:
         return (emb.cos() * scaling).to(dtype)[None], (emb.sin() * scaling).to(dtype)[None]
 
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, cache: StaticCache, feature_layers: list[int] | None):
-        """ids [n] after cache.length cached tokens → (fp32 logits [n, V], features [n, F] or None, each row's
-        argmax [n] int64 where the C++ forward computed it, else None)."""
+    def forward(self, ids: torch.Tensor, cache: StaticCache, feature_layers: list[int] | None,
+                last_only: bool = False):
+        """ids [n] after cache.length cached tokens → (fp32 logits [n, V] ([1, V] with ``last_only``), features
+        [n, F] or None, None)."""
         n = ids.shape[0]
         start, end = cache.span(n)
         h = F.embedding(ids, self.embed) * self.embed_scale.to(self.embed.dtype)
@@ -316,7 +319,7 @@ class LeanGemma3:
             if i in keep:
                 feats.append(h)
         cache.length = end
-        logits = self.head(self._norm(h, self.final_norm)).float()
+        logits = self.head(self._norm(h[-1:] if last_only else h, self.final_norm)).float()
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         features = torch.cat([feats[sorted(keep).index(i)] for i in feature_layers], dim=-1) if feature_layers \

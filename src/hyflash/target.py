@@ -339,10 +339,11 @@ class Target:
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, cache, features: bool = True,
-                parents: list[int] | None = None) -> TargetOutput:
+                parents: list[int] | None = None, last_only: bool = False) -> TargetOutput:
         """Run ``ids`` ([k] or [1, k]) after the cached prefix; positions continue from the cache length.
         ``parents``: the ids are a tree of candidates (see ``hyflash.fast.tree_mask``; needs ``supports_tree``);
-        follow with ``keep_path``."""
+        follow with ``keep_path``. ``last_only``: logits of the last token only (a prompt's prefill: with a 262K
+        vocabulary a 16K-token prompt's logits alone would be 17 GB)."""
         ids = ids.reshape(1, -1).to(self.device)
         start = self.cache_length(cache)
         if start + ids.shape[1] > self.max_context:
@@ -352,13 +353,15 @@ class Target:
             raise HyflashError("tree verification needs the fast path of a Llama target (Target.supports_tree)")
         if self.lean is not None and hasattr(cache, "capacity"):
             extra = {} if parents is None else {"parents": parents}
+            if last_only:
+                extra["last_only"] = True
             logits, feats, top = self.lean.forward(ids[0], cache, self.feature_layers if features else None, **extra)
-            return TargetOutput(logits, feats, top)
+            return TargetOutput(logits, feats, None if last_only else top)
         # sliding-window layers can only roll back into the block of the latest forward (see rollback)
         cache.hyflash_floor = start
         positions = torch.arange(start, start + ids.shape[1], device=self.device)
         out = self.model(input_ids=ids, cache=cache, use_cache=True, position_ids=positions[None],
-                         output_hidden_states=features, logits_to_keep=0)
+                         output_hidden_states=features, logits_to_keep=1 if last_only else 0)
         feats = None
         if features:
             # hidden_states[0] is the embedding output; hidden_states[i + 1] is decoder layer i's output
