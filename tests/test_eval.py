@@ -328,3 +328,18 @@ def test_a_base_model_gets_plain_prompts_that_still_fall_inside_their_bucket(smo
         assert 512 <= len(item.prompt_ids) < 1024
         assert "<|im_start|>" not in t.tokenizer.decode(item.prompt_ids)  # no chat template
         assert text.startswith("Passage 1:") and text.endswith("Answer:\n\n")
+
+
+def test_training_report_counts_parameters_at_the_targets_width():
+    """A saved config holds the default target width (576, SmolLM2's; the target sets the real one at training
+    time); the drafter shares the target's embedding, so the feature fusion is as wide as the drafter (640 for
+    Gemma 3 270M)."""
+    from hyflash.drafter.model import HyFlashDrafter
+    from hyflash.evaluation.training import trainable_parameters
+    from hyflash.train import load_recipe
+
+    cfg = load_recipe("gemma3-hyflash").to_dict()
+    assert cfg["drafter"]["target_hidden_size"] == 576 and cfg["drafter"]["hidden_size"] == 640
+    d = DrafterConfig(**{**cfg["drafter"], "target_hidden_size": 640})
+    emb = torch.zeros(1, 640)
+    assert trainable_parameters(cfg) == HyFlashDrafter(d, emb, emb).num_parameters() == 15_917_344  # as the run printed

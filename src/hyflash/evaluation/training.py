@@ -38,7 +38,10 @@ def trainable_parameters(cfg: dict) -> int:
     from hyflash.drafter.config import DrafterConfig
     from hyflash.drafter.model import HyFlashDrafter
 
-    dcfg = DrafterConfig.from_dict(cfg["drafter"])
+    d = cfg["drafter"]
+    # a saved training config holds the dataclass default for the target's width (the target sets it when training
+    # starts); the drafter shares the target's embedding, so the two widths are equal
+    dcfg = DrafterConfig.from_dict({**d, "target_hidden_size": d.get("hidden_size", 576)})
     emb = torch.zeros(1, dcfg.hidden_size)
     return HyFlashDrafter(dcfg, emb, emb).num_parameters()
 
