@@ -70,3 +70,13 @@ def test_shipped_drafter_is_the_default_and_lossless(smollm2_fp32):
     assert proc.returncode == 0 and "no drafter shipped" not in proc.stderr
     stats = json.loads(proc.stdout)["stats"]
     assert stats["drafter"] == "ngram+auto" and stats["drafter_state_bytes"] > 0
+
+
+def test_generate_notes_when_bf16_greedy_output_may_leave_plain_decodings():
+    from hyflash import kernels
+
+    proc = hyflash("generate", "Hi", "--max-new-tokens", "3", "--drafter", "ngram")
+    assert proc.returncode == 0, proc.stderr
+    assert ("near-ties" in proc.stderr) == (kernels.amx() is None)
+    quiet = hyflash("generate", "Hi", "--max-new-tokens", "3", "--drafter", "ngram", "--dtype", "fp32")
+    assert quiet.returncode == 0 and "near-ties" not in quiet.stderr

@@ -229,3 +229,18 @@ def test_greedy_tree_generation_is_identical_and_takes_the_right_branch(one_thre
     slow = _llama(1, torch.float64)
     chain = generate(slow, prompt, OracleTree(plain.token_ids, len(prompt)), max_new_tokens=40)
     assert chain.token_ids == plain.token_ids and chain.stats.acceptance_length < 1.5  # the wrong chain
+
+
+def test_bitwise_verify_is_claimed_only_where_it_holds():
+    """fp32 (differences ~1e-7) and our C++ bf16 forward verify with single-step bits; torch's bf16 path does not
+    promise it, and `hyflash generate` then says so."""
+    from hyflash import kernels
+
+    t32 = tiny_llama(vocab=50, hidden=32, dtype=torch.float32)
+    assert t32.bitwise_verify
+    t16 = tiny_llama(vocab=50, hidden=32, dtype=torch.bfloat16)
+    assert not t16.bitwise_verify  # the transformers path: no C++ forward
+    t16.use_fast_path()
+    assert t16.bitwise_verify == (t16.lean.native is not None)
+    if kernels.amx() is None:
+        assert not t16.bitwise_verify

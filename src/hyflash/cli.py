@@ -71,6 +71,10 @@ def generate(prompt, target, drafter, max_new_tokens, temperature, top_k, top_p,
     proposer = load_proposer(drafter, tgt, seed=seed)
     ids = tgt.encode(prompt, chat=chat)
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    if drafter != "none" and sampling.greedy and not tgt.bitwise_verify:
+        click.echo("hyflash: note: without our AMX kernels, bf16 verification rounds differently from single steps, "
+                   "so greedy output can differ from --drafter none at near-ties; --dtype fp32 keeps it identical",
+                   err=True)
     streamer = None if as_json else _TextStreamer(tgt)
     result = run(tgt, ids, proposer, max_new_tokens=max_new_tokens, sampling=sampling,
                  stop_strings=tuple(stop_strings), on_tokens=streamer)
