@@ -362,10 +362,9 @@ class Target:
             raise HyflashError("tree verification needs the fast path of a Llama target (Target.supports_tree)")
         if self.lean is not None and hasattr(cache, "capacity"):
             extra = {} if parents is None else {"parents": parents}
-            if last_only:
-                extra["last_only"] = True
-            logits, feats, top = self.lean.forward(ids[0], cache, self.feature_layers if features else None, **extra)
-            return TargetOutput(logits, feats, None if last_only else top)
+            logits, feats, top = self.lean.forward(ids[0], cache, self.feature_layers if features else None,
+                                                   last_only=last_only, **extra)
+            return TargetOutput(logits, feats, top)
         # sliding-window layers can only roll back into the block of the latest forward (see rollback)
         cache.hyflash_floor = start
         positions = torch.arange(start, start + ids.shape[1], device=self.device)

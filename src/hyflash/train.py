@@ -389,13 +389,19 @@ def block_loss(logits, targets, mask, weights, kl_weight=0.0, topk_vals=None, to
     return loss, correct, mask.sum((0, 1))
 
 
-def draft_vocabulary(store, train_idx, size: int, vocab_size: int, max_sequences: int = 4096) -> torch.Tensor:
-    """The ``size`` most frequent target labels over (up to ``max_sequences`` of) the training sequences, as sorted
-    ids (ties and unused ids broken by the lower id)."""
+def label_order(store, train_idx, vocab_size: int, max_sequences: int = 4096) -> np.ndarray:
+    """Token ids from the most to the least frequent target label over (up to ``max_sequences`` of) the training
+    sequences (ties and unused ids broken by the lower id)."""
     counts = np.zeros(vocab_size, dtype=np.int64)
     for i in train_idx[:max_sequences]:
         counts += np.bincount(np.asarray(store[int(i)]["labels"], dtype=np.int64), minlength=vocab_size)
-    return torch.from_numpy(np.sort(np.argsort(-counts, kind="stable")[:size]))
+    return np.argsort(-counts, kind="stable")
+
+
+def draft_vocabulary(store, train_idx, size: int, vocab_size: int, max_sequences: int = 4096) -> torch.Tensor:
+    """The ``size`` most frequent target labels over (up to ``max_sequences`` of) the training sequences, as sorted
+    ids (ties and unused ids broken by the lower id)."""
+    return torch.from_numpy(np.sort(label_order(store, train_idx, vocab_size, max_sequences)[:size]))
 
 
 @torch.no_grad()
@@ -406,21 +412,19 @@ def draft_vocab_ceiling(store, train_idx, val_idx, cfg: "TrainConfig", sizes: li
     and the ceiling τ = 1 + mean all-correct prefix of a drafter that is right whenever the token is in its
     vocabulary. The difference between two sizes' ceilings bounds what the smaller one can cost a drafter in τ."""
     S = cfg.drafter.block_size
-    batches = []
-    for k in range(0, len(val_idx), cfg.batch_seqs):
-        ids = [int(i) for i in val_idx[k:k + cfg.batch_seqs]]
-        b = make_batch(store, ids, cfg, np.random.default_rng([cfg.seed, 99, k]), with_topk=False)
+    targets, mask = [torch.zeros(0, S, dtype=torch.long)], [torch.zeros(0, S, dtype=torch.bool)]
+    for b in validation_batches(store, val_idx, cfg):
         real = b["mask"][..., 0]
-        batches.append((b["targets"][real], b["mask"][real]))  # [anchors, S] each
-    targets = torch.cat([t for t, _ in batches]) if batches else torch.zeros(0, S, dtype=torch.long)
-    mask = torch.cat([m for _, m in batches]) if batches else torch.zeros(0, S, dtype=torch.bool)
+        targets.append(b["targets"][real])
+        mask.append(b["mask"][real])
+    targets, mask = torch.cat(targets), torch.cat(mask)  # [anchors, S]
+    order = torch.from_numpy(label_order(store, train_idx, vocab_size))
     out = []
     for size in sizes:
-        inside = torch.ones(vocab_size, dtype=torch.bool)
-        if size:
-            inside.zero_()[draft_vocabulary(store, train_idx, size, vocab_size)] = True
+        inside = torch.zeros(vocab_size, dtype=torch.bool)
+        inside[order[:size or vocab_size]] = True
         ok = inside[targets] & mask
-        prefix = torch.cumprod(ok.long(), dim=-1).sum(-1).double()
+        prefix = all_correct_prefix(ok).double()
         out.append({"draft_vocab": size or vocab_size, "coverage": float(ok.sum() / mask.sum().clamp_min(1)),
                     "ceiling_tau": 1 + float(prefix.mean()) if len(prefix) else float("nan"),
                     "anchors": len(prefix)})
@@ -443,10 +447,14 @@ def to_draft_vocab(b: dict, index_of: torch.Tensor) -> dict:
     return b
 
 
+def all_correct_prefix(ok: torch.Tensor) -> torch.Tensor:
+    """ok [.., S] → [..]: how many leading slots are all correct."""
+    return torch.cumprod(ok.long(), dim=-1).sum(-1)
+
+
 def accepted_prefix(logits, targets, mask) -> torch.Tensor:
     """Per anchor, the length of the longest prefix of argmax drafts that are all correct (a masked slot ends it)."""
-    ok = (logits.argmax(-1) == targets) & mask  # [B, n, S]
-    return torch.cumprod(ok.long(), dim=-1).sum(-1)  # [B, n]
+    return all_correct_prefix((logits.argmax(-1) == targets) & mask)  # [B, n, S] → [B, n]
 
 
 # ------------------------------------------------------------------------------------------ model set-up
@@ -496,9 +504,10 @@ def init_from_drafter(drafter: HyFlashDrafter, path, target) -> list[str]:
 def init_from_target(drafter: HyFlashDrafter, target) -> list[str]:
     """Copy attention q/k/v/o (and q/k norms where the target has them), MLP gate/up/down and both norms from target
     layers chosen by ``top_half_layers``, and the target's final norm (Gemma's norms as the scales they apply; its
-    MLP's GELU becomes our SiLU, so there the copy is a starting point, not the target's function). Anything whose shape differs is skipped, except
-    a drafter MLP wider than the target's: the target's units go first and the extra units start with zero output
-    weights, so the widened MLP computes the target's MLP at initialisation. Returns what was copied."""
+    MLP's GELU becomes our SiLU, so there the copy is a starting point, not the target's function). Anything whose
+    shape differs is skipped, except a drafter MLP wider than the target's: the target's units go first and the extra
+    units start with zero output weights, so the widened MLP computes the target's MLP at initialisation. Returns
+    what was copied."""
     t_layers = target.model.get_decoder().layers
     copied = []
 
@@ -558,6 +567,13 @@ def draft_index(drafter: HyFlashDrafter) -> torch.Tensor | None:
 
 
 # ------------------------------------------------------------------------------------------- validation
+def validation_batches(store, val_idx, cfg: TrainConfig):
+    """The held-out batches validation scores: fixed crops and anchors (seeded by position, not by training state)."""
+    for k in range(0, len(val_idx), cfg.batch_seqs):
+        ids = [int(i) for i in val_idx[k:k + cfg.batch_seqs]]
+        yield make_batch(store, ids, cfg, np.random.default_rng([cfg.seed, 99, k]), with_topk=False)
+
+
 @torch.no_grad()
 def evaluate(drafter: HyFlashDrafter, store, val_idx, cfg: TrainConfig) -> dict:
     """Per-slot accuracy and τ̂ = 1 + mean over anchors of the longest all-correct prefix of argmax drafts, on the
@@ -569,26 +585,24 @@ def evaluate(drafter: HyFlashDrafter, store, val_idx, cfg: TrainConfig) -> dict:
     S = cfg.drafter.block_size
     correct, count, prefix, prefix_sq, anchors = torch.zeros(S), torch.zeros(S), 0.0, 0.0, 0  # sums on the CPU
     prefix_free = 0.0
-    for k in range(0, len(val_idx), cfg.batch_seqs):
-        ids = [int(i) for i in val_idx[k:k + cfg.batch_seqs]]
-        b = make_batch(store, ids, cfg, np.random.default_rng([cfg.seed, 99, k]), with_topk=False)
+    for b in validation_batches(store, val_idx, cfg):
         if drafter.draft_vocab is not None:
             b = to_draft_vocab(b, draft_index(drafter))
         device = drafter.head_weight.device
         b = on_device(b, device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
             logits = drafter.forward_train(b["features"], b["input_ids"], b["anchors"], prev_ids=b["prev_ids"])
-        ok = (logits.argmax(-1) == b["targets"]) & b["mask"]
+        hit = logits.argmax(-1) == b["targets"]
+        ok = hit & b["mask"]
         correct += ok.sum((0, 1)).float().cpu()
         count += b["mask"].sum((0, 1)).float().cpu()
         real = b["mask"][..., 0]  # padded anchors have no supervised slot
-        accepted = accepted_prefix(logits, b["targets"], b["mask"])[real].double()
+        accepted = all_correct_prefix(ok)[real].double()
         prefix += float(accepted.sum())
         prefix_sq += float((accepted ** 2).sum())
         anchors += int(real.sum())
         if drafter.draft_vocab is not None:  # as if every token outside the draft vocabulary had been drafted right
-            ok_free = ((logits.argmax(-1) == b["targets"]) | (b["targets"] < 0)) & b["mask"]
-            prefix_free += float(torch.cumprod(ok_free.long(), dim=-1).sum(-1)[real].sum())
+            prefix_free += float(all_correct_prefix((hit | (b["targets"] < 0)) & b["mask"])[real].sum())
     drafter.train(was_training)
     acc = (correct / count.clamp_min(1)).tolist()
     mean = prefix / max(anchors, 1)

@@ -124,8 +124,9 @@ def build_sequences(responses_dir, documents_path, out_path, target: str | Targe
 
     doc_tokens: stop taking document chunks (in the split's shuffled document order) at this many tokens;
     0 takes none, None takes all. documents_path may be None for chat only, and responses_dir None for documents
-    only (a base-model target, which has no chat template to regenerate answers with). singles=False keeps conversations only
-    inside packs (each answer once, in full-length sequences: cheaper to train on than many short ones).
+    only (a base-model target, which has no chat template to regenerate answers with). singles=False keeps
+    conversations only inside packs (each answer once, in full-length sequences: cheaper to train on than many short
+    ones).
     """
     out = Path(out_path)
     if responses_dir is None and not documents_path:
@@ -190,7 +191,8 @@ def build_sequences(responses_dir, documents_path, out_path, target: str | Targe
         counts[kind] = {"sequences": len(group), "tokens": sum(len(s["ids"]) for s in group),
                         "supervised": sum(e - s for q in group for s, e in q["spans"])}
     meta = {"inputs": inputs, "counts": counts, "sha256": sha256_file(out),
-            "responses_dir": str(responses_dir) if responses_dir is not None else None, "documents": str(documents_path) if documents_path else None}
+            "responses_dir": str(responses_dir) if responses_dir is not None else None,
+            "documents": str(documents_path) if documents_path else None}
     write_json(meta_path, meta)
     for kind, c in counts.items():
         print(f"sequences: {kind:8s} {c['sequences']:6d} sequences {c['tokens']:>11,} tokens "
