@@ -1,5 +1,5 @@
-"""Our AMX matmul kernel (hyflash.kernels, csrc/amx_linear.cpp): bf16 x @ w.T for 1-16 rows on CPUs with AMX.
-Skipped where the kernel cannot run; the fallback that every machine takes is tested here too."""
+"""Our matmul kernel (hyflash.kernels, csrc/amx_linear.cpp): bf16 x @ w.T for 1-16 rows on CPUs with AMX or
+AVX-512 BF16. Skipped where the kernel cannot run; the fallback that every machine takes is tested here too."""
 
 import pytest
 import torch
@@ -23,7 +23,7 @@ def test_amx_matmul_is_a_bf16_rounding_of_the_exact_product(out_features, in_fea
     w = torch.randn(out_features, in_features, generator=g).bfloat16()
     x = torch.randn(rows, in_features, generator=g).bfloat16()
     lin = PackedLinear(w)
-    assert lin.kernel == "amx"
+    assert lin.kernel == kernels.isa()
     got, exact = lin(x), _exact(x, w)
     assert got.shape == (rows, out_features) and got.dtype == torch.bfloat16
     # fp32 accumulation rounded once to bf16: within bf16's relative step of each exact entry (plus fp32 noise)
@@ -59,7 +59,7 @@ def test_larger_inputs_and_odd_shapes_take_the_plain_matmul():
     x = torch.randn(AMX_MAX_ROWS + 1, 64, generator=g).bfloat16()
     assert torch.equal(PackedLinear(w)(x), x @ w.t())  # prefill-sized inputs: torch's matmul
     odd = PackedLinear(torch.randn(10, 48, generator=g).bfloat16())  # 48 inputs: not whole 32-row tiles
-    assert odd.kernel != "amx"
+    assert odd.amx is None
     batched = torch.randn(2, 3, 64, generator=g).bfloat16()  # leading dimensions are flattened and restored
     assert torch.equal(PackedLinear(w)(batched), PackedLinear(w)(batched.reshape(6, 64)).view(2, 3, 64))
 
@@ -80,8 +80,11 @@ def test_kernels_can_be_switched_off_and_then_onednn_or_the_plain_matmul_serves(
         kernels.amx.cache_clear()
 
 
-def test_no_amx_flags_means_no_kernel(monkeypatch):
-    monkeypatch.setattr(kernels, "cpu_has_amx", lambda: False)
+def test_the_cpu_flags_choose_the_build_and_none_means_no_kernel(monkeypatch):
+    amx = {"amx_tile", "amx_bf16", "avx512_bf16", "avx512f", "avx512bw", "avx512vl"}
+    for flags, build in ((amx, "amx"), (amx - {"amx_tile", "amx_bf16"}, "avx512-bf16"), ({"avx2", "fma"}, None)):
+        monkeypatch.setattr(kernels, "cpu_flags", lambda f=flags: f)
+        assert kernels.isa() == build
     kernels.amx.cache_clear()
     try:
         assert kernels.amx() is None

@@ -72,9 +72,9 @@ def generate(prompt, target, drafter, max_new_tokens, temperature, top_k, top_p,
     ids = tgt.encode(prompt, chat=chat)
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     if drafter != "none" and sampling.greedy and not tgt.bitwise_verify:
-        click.echo("hyflash: note: without our AMX kernels, bf16 verification rounds differently from single steps, "
-                   "so greedy output can differ from --drafter none at near-ties; --dtype fp32 keeps it identical",
-                   err=True)
+        click.echo("hyflash: note: without our C++ kernels (they need AMX or AVX-512 BF16), bf16 verification rounds "
+                   "differently from single steps, so greedy output can differ from --drafter none at near-ties; "
+                   "--dtype fp32 keeps it identical", err=True)
     streamer = None if as_json else _TextStreamer(tgt)
     result = run(tgt, ids, proposer, max_new_tokens=max_new_tokens, sampling=sampling,
                  stop_strings=tuple(stop_strings), on_tokens=streamer)

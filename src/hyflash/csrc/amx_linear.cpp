@@ -1,5 +1,7 @@
 // y = x @ w.T for bf16 on CPUs with AMX (Intel Sapphire Rapids and later), for the few rows (<= 16) that a
 // decoding step, a verification block or a drafter pass multiplies. Built at first use by hyflash.kernels.
+// Built without AMX (-mamx-tile absent: CPUs with AVX-512 BF16 but no tiles, such as AMD Zen 4), the same packed
+// weights go through VDPBF16PS instead, one fp32 accumulator per output element (see `dp_rows`).
 //
 // Why: oneDNN's bf16 matmul costs 20-80 us a call at these sizes, most of it fixed overhead, so a step of a
 // 135M-parameter model reads its weights at ~11 GB/s. Here the weight is reordered once into AMX's B-tile layout
@@ -19,6 +21,7 @@ namespace {
 constexpr long kArchReqXcompPerm = 0x1023;  // arch_prctl: ask the kernel for the AMX tile state
 constexpr long kXfeatureXtiledata = 18;
 
+#ifdef __AMX_TILE__
 // Tiles: 0-3 accumulators (M x 16 fp32 each), 4 the rows of x (M x 32 bf16), 5-7 weight tiles (16 x 32 bf16).
 void configure(int64_t M) {
   hyflash::TileConfig cfg;
@@ -26,6 +29,58 @@ void configure(int64_t M) {
   for (int t = 5; t < 8; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
   _tile_loadconfig(&cfg);
 }
+#else
+// Without tiles: R rows of x against NB 16-column blocks, each output element one fp32 accumulator that takes
+// k's pairs in order (VDPBF16PS: x's pair broadcast against 16 columns' pairs). The sum an element gets does not
+// depend on how many rows are multiplied with it, so verifying k tokens gives each the bits a 1-token step would.
+// x32: rows of x as bf16 pairs (stride K / 2); w[u]: block u's pairs in kernel order ([K/2][16] uint32).
+// add: continue the sums already in acc (a later range of k), else start from zero.
+template <int R, int NB>
+inline void dp_rows(const uint32_t* x32, int64_t xs, int64_t K2, const uint32_t* const* w, float* acc, bool add) {
+  __m512 c[R][NB];
+  for (int r = 0; r < R; ++r)
+    for (int u = 0; u < NB; ++u) c[r][u] = add ? _mm512_load_ps(acc + r * 64 + u * 16) : _mm512_setzero_ps();
+  for (int64_t kp = 0; kp < K2; ++kp) {
+    __m512i b[NB];
+    for (int u = 0; u < NB; ++u) b[u] = _mm512_loadu_si512(w[u] + kp * 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512i a = _mm512_set1_epi32(static_cast<int>(x32[r * xs + kp]));
+      for (int u = 0; u < NB; ++u) c[r][u] = _mm512_dpbf16_ps(c[r][u], (__m512bh)a, (__m512bh)b[u]);
+    }
+  }
+  for (int r = 0; r < R; ++r) for (int u = 0; u < NB; ++u) _mm512_store_ps(acc + r * 64 + u * 16, c[r][u]);
+}
+
+template <int NB>
+inline void dp_rows_nb(const uint32_t* x32, int64_t xs, int64_t K2, int64_t rows, const uint32_t* const* w, float* acc,
+                       bool add) {
+  switch (rows) {
+    case 1: dp_rows<1, NB>(x32, xs, K2, w, acc, add); break;
+    case 2: dp_rows<2, NB>(x32, xs, K2, w, acc, add); break;
+    case 3: dp_rows<3, NB>(x32, xs, K2, w, acc, add); break;
+    case 4: dp_rows<4, NB>(x32, xs, K2, w, acc, add); break;
+    case 5: dp_rows<5, NB>(x32, xs, K2, w, acc, add); break;
+    default: dp_rows<6, NB>(x32, xs, K2, w, acc, add); break;
+  }
+}
+
+// all M rows of x (stride xs pairs; in groups of up to 6, so that 24 accumulators stay in registers) against
+// nb <= 4 blocks over K2 pairs of k, into acc [M x 64]
+inline void dp_block_group(const uint32_t* x32, int64_t xs, int64_t M, int64_t K2, const uint32_t* const* w,
+                           int64_t nb, float* acc, bool add) {
+  for (int64_t m0 = 0; m0 < M; m0 += 6) {
+    const int64_t rows = std::min<int64_t>(6, M - m0);
+    const uint32_t* xr = x32 + m0 * xs;
+    float* ar = acc + m0 * 64;
+    switch (nb) {
+      case 1: dp_rows_nb<1>(xr, xs, K2, rows, w, ar, add); break;
+      case 2: dp_rows_nb<2>(xr, xs, K2, rows, w, ar, add); break;
+      case 3: dp_rows_nb<3>(xr, xs, K2, rows, w, ar, add); break;
+      default: dp_rows_nb<4>(xr, xs, K2, rows, w, ar, add); break;
+    }
+  }
+}
+#endif
 
 // fp32 rows [M x 16*nb] (stride 64 floats) -> bf16 output columns col..col+16*nb of y (stride N)
 inline void store_bf16(const float* acc, int64_t M, int nb, at::BFloat16* y, int64_t N) {
@@ -40,8 +95,12 @@ inline void store_bf16(const float* acc, int64_t M, int nb, at::BFloat16* y, int
 
 namespace hyflash {
 
-bool init() {  // true when this process may use AMX tiles
+bool init() {  // true when this process may use AMX tiles (always, built without them)
+#ifdef __AMX_TILE__
   return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+#else
+  return true;
+#endif
 }
 
 torch::Tensor pack(torch::Tensor w) {  // out_features are padded with zero rows to a multiple of 16
@@ -119,6 +178,27 @@ torch::Tensor amx_linear_q8(torch::Tensor x, torch::Tensor packed) {
   auto* yp = y.data_ptr<at::BFloat16>();
   const int64_t xs = K * 2, groups = (blocks + 3) / 4;
   // as amx_linear: four column blocks share each load of x (and four streams of codes are in flight)
+#ifndef __AMX_TILE__
+  at::parallel_for(0, groups, 1, [&](int64_t first, int64_t last) {
+    alignas(64) float acc[16 * 64];
+    alignas(64) uint16_t tile[4][16 * 32];
+    for (int64_t g = first; g < last; ++g) {
+      const int64_t b0 = g * 4, nb = std::min<int64_t>(4, blocks - b0);
+      const uint32_t* w[4] = {};
+      for (int64_t u = 0; u < nb; ++u) w[u] = reinterpret_cast<const uint32_t*>(tile[u]);
+      for (int64_t k = 0; k < K; k += 32) {  // 32 k at a time: widen the codes, then 16 pairs into the sums
+        for (int64_t u = 0; u < nb; ++u) widen_q8(wp + (b0 + u) * row, k, tile[u]);
+        dp_block_group(reinterpret_cast<const uint32_t*>(xp) + k / 2, K / 2, M, 16, w, nb, acc, k > 0);
+      }
+      for (int64_t u = 0; u < nb; ++u) {
+        const __m512 scale = _mm512_loadu_ps(reinterpret_cast<const float*>(wp + (b0 + u) * row + K * 16));
+        for (int64_t m = 0; m < M; ++m)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(yp + m * N + (b0 + u) * 16),
+                              (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(acc + m * 64 + u * 16), scale)));
+      }
+    }
+  });
+#else
   at::parallel_for(0, groups, 1, [&](int64_t first, int64_t last) {
     alignas(64) float acc[16 * 64];
     alignas(64) uint16_t tile[4][16 * 32];
@@ -152,6 +232,7 @@ torch::Tensor amx_linear_q8(torch::Tensor x, torch::Tensor packed) {
     }
     _tile_release();
   });
+#endif
   return y;
 }
 
@@ -169,6 +250,18 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed) {
   auto* yp = y.data_ptr<at::BFloat16>();
   const int64_t blocks = N / 16, groups = (blocks + 3) / 4, bs = K * 16;  // bs: elements per 16-column block
   const int64_t xs = K * 2;                                              // bytes per row of x
+#ifndef __AMX_TILE__
+  at::parallel_for(0, groups, 1, [&](int64_t first, int64_t last) {
+    alignas(64) float acc[16 * 64];
+    for (int64_t g = first; g < last; ++g) {
+      const int64_t b0 = g * 4, nb = std::min<int64_t>(4, blocks - b0);
+      const uint32_t* w[4] = {};
+      for (int64_t u = 0; u < nb; ++u) w[u] = reinterpret_cast<const uint32_t*>(wp + (b0 + u) * bs);
+      dp_block_group(reinterpret_cast<const uint32_t*>(xp), K / 2, M, K / 2, w, nb, acc, false);
+      store_bf16(acc, M, static_cast<int>(nb), yp + b0 * 16, N);
+    }
+  });
+#else
   // torch's own thread pool (torch.set_num_threads); tile configuration is per thread, so per chunk
   at::parallel_for(0, groups, 1, [&](int64_t first, int64_t last) {
     alignas(64) float acc[16 * 64];
@@ -207,6 +300,7 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed) {
     }
     _tile_release();
   });
+#endif
   return y;
 }
 

@@ -90,11 +90,15 @@ class Attention {
   void run(const bf16* q, int64_t row, const bf16* kc, const bf16* vc, int64_t cap, bf16* out, float* out32 = nullptr) {
     transpose_queries(q, row);
     at::parallel_for(0, Hkv_ * chunks_, 1, [&](int64_t first, int64_t last) {
+#ifdef __AMX_TILE__
       TileConfig cfg;
       for (int t = 0; t < 3; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
       _tile_loadconfig(&cfg);
+#endif
       for (int64_t task = first; task < last; ++task) chunk(task / chunks_, task % chunks_, kc, vc, cap);
+#ifdef __AMX_TILE__
       _tile_release();
+#endif
     });
     at::parallel_for(0, Hkv_ * R_, 1, [&](int64_t first, int64_t last) {
       for (int64_t t = first; t < last; ++t) merge(t / R_, t % R_, out, out32);
@@ -118,6 +122,35 @@ class Attention {
             for (int64_t p = 0; p < 16; ++p) tile[p * 16 + c] = src ? src[p] : 0u;
           }
         }
+  }
+
+  // score[u * 16 + c] = key u's dot product with query row c, for 16 keys (a, stride hd) and a row block's query
+  // tiles (qt: `halves` tiles of 32 dimensions), each sum in order of dimension pairs
+  void scores(const bf16* a, const bf16* qt, int64_t halves, float* score) const {
+#ifdef __AMX_TILE__
+    _tile_zero(0);
+    for (int64_t h = 0; h < halves; ++h) {
+      _tile_loadd(1, a + 32 * h, hd_ * sizeof(bf16));
+      _tile_loadd(2, qt + h * 512, 64);
+      _tile_dpbf16ps(0, 1, 2);
+    }
+    _tile_stored(0, score, 64);
+#else  // the tile product on AVX-512 BF16: a key's pair broadcast against 16 query rows' pairs
+    __m512 acc[16];
+    for (auto& v : acc) v = _mm512_setzero_ps();
+    const auto* a32 = reinterpret_cast<const uint32_t*>(a);
+    const int64_t ks = hd_ / 2;  // pairs per key
+    for (int64_t h = 0; h < halves; ++h) {
+      const auto* q32 = reinterpret_cast<const uint32_t*>(qt + h * 512);
+      for (int64_t p = 0; p < 16; ++p) {
+        const __m512i qrow = _mm512_loadu_si512(q32 + p * 16);
+        for (int u = 0; u < 16; ++u)
+          acc[u] = _mm512_dpbf16_ps(acc[u], (__m512bh)_mm512_set1_epi32(static_cast<int>(a32[u * ks + 16 * h + p])),
+                                    (__m512bh)qrow);
+      }
+    }
+    for (int u = 0; u < 16; ++u) _mm512_store_ps(score + u * 16, acc[u]);
+#endif
   }
 
   void chunk(int64_t kv, int64_t c, const bf16* kc, const bf16* vc, int64_t cap) {
@@ -145,13 +178,7 @@ class Attention {
             std::memcpy(gathered + u * hd_, kb + keys[16 * b + u] * hd_, sizeof(bf16) * hd_);
           a = gathered;
         }
-        _tile_zero(0);
-        for (int64_t h = 0; h < halves; ++h) {
-          _tile_loadd(1, a + 32 * h, hd_ * sizeof(bf16));
-          _tile_loadd(2, qt_.data() + ((kv * RB_ + rb) * halves + h) * 512, 64);
-          _tile_dpbf16ps(0, 1, 2);
-        }
-        _tile_stored(0, score + 16 * b * 16, 64);
+        scores(a, qt_.data() + (kv * RB_ + rb) * halves * 512, halves, score + 16 * b * 16);
       }
       // per query row (a lane): the chunk's maximum, exponentials and their sum, in key order
       const __m512 scale = _mm512_set1_ps(scale_);
