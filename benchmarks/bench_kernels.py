@@ -1,4 +1,5 @@
-"""The target's matmuls for 1..16 tokens: torch's bf16 matmul, oneDNN's packed weights, and our AMX kernel.
+"""The target's matmuls for 1..16 tokens: torch's bf16 matmul, oneDNN's packed weights, and our kernel (its AMX
+or AVX-512 BF16 build, ``kernels.isa()``).
 
 Runs every linear layer of one forward with the target's shapes (weights of those shapes; timing does not depend on
 their values) — what one decoding step (1 token) or one verification (k tokens) multiplies. The weights are far
@@ -40,22 +41,23 @@ def main():
         "onednn": lambda x: [torch.ops.mkldnn._linear_pointwise(x[w.shape[1]], p, None, "none", [], "")
                              for w, p in zip(weights, onednn)],
     }
+    ours = kernels.isa() or "ours"
     if tiles is not None:
-        systems["amx"] = lambda x: [amx.linear(x[w.shape[1]], t) for w, t in zip(weights, tiles)]
+        systems[ours] = lambda x: [amx.linear(x[w.shape[1]], t) for w, t in zip(weights, tiles)]
 
     print(machine_line())
     print(f"# {args.target}: {len(shapes)} matmuls per forward, {nbytes / 2**20:.0f} MiB of bf16 weights; "
-          f"median of {args.repeats} passes" + ("" if tiles is not None else "; our AMX kernel is unavailable here"))
+          f"median of {args.repeats} passes" + ("" if tiles is not None else "; our kernel is unavailable here"))
     print(f"{'tokens':>6}  " + "  ".join(f"{s + ' ms':>9}  {s + ' GB/s':>11}" for s in systems)
-          + ("  amx vs onednn" if tiles is not None else ""))
+          + (f"  {ours} vs onednn" if tiles is not None else ""))
     for m in [int(t) for t in args.tokens.split(",")]:
         x = {k: torch.randn(m, k, generator=g).to(torch.bfloat16) for k in {k for _, k in shapes}}
         times = {}
         for name, fn in systems.items():
             times[name] = time_median(lambda: fn(x), args.repeats)
         line = f"{m:>6}  " + "  ".join(f"{1e3 * t:>9.1f}  {nbytes / t / 1e9:>11.1f}" for t in times.values())
-        if "amx" in times:
-            line += f"  {times['onednn'] / times['amx']:>13.2f}x"
+        if ours in times:
+            line += f"  {times['onednn'] / times[ours]:>{len(ours) + 10}.2f}x"
         print(line)
 
 
