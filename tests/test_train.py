@@ -298,6 +298,27 @@ def test_recipes_have_matched_parameter_budgets(family, seq_len):
     assert len(same) == 1
 
 
+def test_gemma3_second_stages_continue_their_own_first_stage_on_one_schedule():
+    stages = {name: (load_recipe(f"gemma3-{name}"), load_recipe(f"gemma3-{name}-stage2"))
+              for name in ("hyflash", "full", "swa")}
+    for name, (first, second) in stages.items():
+        assert second.init_from == f"runs/gemma3-{name}/final" and not second.init_from_target
+        assert second.drafter.to_dict() == first.drafter.to_dict()  # init_from refuses another architecture
+        # the same held-out sequences and draft vocabulary as the stage it continues
+        assert (second.data, second.split_seed, second.val_fraction, second.val_sequences, second.draft_vocab) == \
+               (first.data, first.split_seed, first.val_fraction, first.val_sequences, first.draft_vocab)
+        assert second.lr < first.lr and second.seed != first.seed
+    schedules = {(s.steps, s.lr, s.min_lr, s.warmup, s.seed, s.batch_seqs, s.anchors_per_seq) for _, s in stages.values()}
+    assert len(schedules) == 1
+
+
+def test_gemma3_noslot_ablation_differs_from_hyflash_in_slot_attention_only():
+    plain, noslot = load_recipe("gemma3-hyflash"), load_recipe("gemma3-hyflash-noslot")
+    assert plain.drafter.slot_attention and not noslot.drafter.slot_attention
+    assert {**noslot.drafter.to_dict(), "slot_attention": True} == plain.drafter.to_dict()
+    assert {**vars(noslot), "drafter": None, "_comment": None} == {**vars(plain), "drafter": None, "_comment": None}
+
+
 class _KindStore:
     def __init__(self, kinds):
         self._kinds = kinds
