@@ -26,15 +26,16 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 NAME = "hyflash_amx_linear"
 
 
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags (from /proc/cpuinfo; empty off x86-64 Linux)."""
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (from /proc/cpuinfo, read once; empty off x86-64 Linux)."""
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
-        return set()
+        return frozenset()
     try:
         flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
     except OSError:
-        return set()
-    return set(flags.split(":", 1)[-1].split())
+        return frozenset()
+    return frozenset(flags.split(":", 1)[-1].split())
 
 
 def cpu_has_amx() -> bool:

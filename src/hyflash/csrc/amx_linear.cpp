@@ -91,6 +91,19 @@ inline void store_bf16(const float* acc, int64_t M, int nb, at::BFloat16* y, int
     }
 }
 
+
+// int8 weights: as store_bf16, each column's fp32 sum first times its scale (the 16 fp32 scales after each block's
+// K * 16 codes; blocks: the first of the nb blocks, row bytes apart)
+inline void store_scaled_bf16(const float* acc, int64_t M, int64_t nb, const int8_t* blocks, int64_t row, int64_t K,
+                              at::BFloat16* y, int64_t N) {
+  for (int64_t u = 0; u < nb; ++u) {
+    const __m512 scale = _mm512_loadu_ps(reinterpret_cast<const float*>(blocks + u * row + K * 16));
+    for (int64_t m = 0; m < M; ++m)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * N + u * 16),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(acc + m * 64 + u * 16), scale)));
+  }
+}
+
 }  // namespace
 
 namespace hyflash {
@@ -176,7 +189,7 @@ torch::Tensor amx_linear_q8(torch::Tensor x, torch::Tensor packed) {
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
   const int8_t* wp = packed.data_ptr<int8_t>();
   auto* yp = y.data_ptr<at::BFloat16>();
-  const int64_t xs = K * 2, groups = (blocks + 3) / 4;
+  const int64_t groups = (blocks + 3) / 4;
   // as amx_linear: four column blocks share each load of x (and four streams of codes are in flight)
 #ifndef __AMX_TILE__
   at::parallel_for(0, groups, 1, [&](int64_t first, int64_t last) {
@@ -190,15 +203,11 @@ torch::Tensor amx_linear_q8(torch::Tensor x, torch::Tensor packed) {
         for (int64_t u = 0; u < nb; ++u) widen_q8(wp + (b0 + u) * row, k, tile[u]);
         dp_block_group(reinterpret_cast<const uint32_t*>(xp) + k / 2, K / 2, M, 16, w, nb, acc, k > 0);
       }
-      for (int64_t u = 0; u < nb; ++u) {
-        const __m512 scale = _mm512_loadu_ps(reinterpret_cast<const float*>(wp + (b0 + u) * row + K * 16));
-        for (int64_t m = 0; m < M; ++m)
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(yp + m * N + (b0 + u) * 16),
-                              (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(acc + m * 64 + u * 16), scale)));
-      }
+      store_scaled_bf16(acc, M, nb, wp + b0 * row, row, K, yp + b0 * 16, N);
     }
   });
 #else
+  const int64_t xs = K * 2;  // bytes per row of x (the A tile's stride)
   at::parallel_for(0, groups, 1, [&](int64_t first, int64_t last) {
     alignas(64) float acc[16 * 64];
     alignas(64) uint16_t tile[4][16 * 32];
@@ -223,12 +232,7 @@ torch::Tensor amx_linear_q8(torch::Tensor x, torch::Tensor packed) {
       }
       _tile_stored(0, acc, 256); _tile_stored(1, acc + 16, 256);
       _tile_stored(2, acc + 32, 256); _tile_stored(3, acc + 48, 256);
-      for (int64_t u = 0; u < nb; ++u) {
-        const __m512 scale = _mm512_loadu_ps(reinterpret_cast<const float*>(wp + (b0 + u) * row + K * 16));
-        for (int64_t m = 0; m < M; ++m)
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(yp + m * N + (b0 + u) * 16),
-                              (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(acc + m * 64 + u * 16), scale)));
-      }
+      store_scaled_bf16(acc, M, nb, wp + b0 * row, row, K, yp + b0 * 16, N);
     }
     _tile_release();
   });
@@ -249,7 +253,6 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed) {
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   auto* yp = y.data_ptr<at::BFloat16>();
   const int64_t blocks = N / 16, groups = (blocks + 3) / 4, bs = K * 16;  // bs: elements per 16-column block
-  const int64_t xs = K * 2;                                              // bytes per row of x
 #ifndef __AMX_TILE__
   at::parallel_for(0, groups, 1, [&](int64_t first, int64_t last) {
     alignas(64) float acc[16 * 64];
@@ -262,6 +265,7 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed) {
     }
   });
 #else
+  const int64_t xs = K * 2;  // bytes per row of x (the A tile's stride)
   // torch's own thread pool (torch.set_num_threads); tile configuration is per thread, so per chunk
   at::parallel_for(0, groups, 1, [&](int64_t first, int64_t last) {
     alignas(64) float acc[16 * 64];
