@@ -177,6 +177,31 @@ def test_second_stage_starts_from_the_first_stages_drafter(target, store, tmp_pa
         train(other, tmp_path / "three", target, store)
 
 
+def test_draft_vocabulary_read_from_a_file_or_a_drafter(target, store, tmp_path):
+    """draft_vocab_from: the vocabulary comes from a JSON list of ids or a saved drafter instead of counting labels
+    (a GPU run with an online store would otherwise run the target over every training sequence first); a list of
+    the wrong size, repeated ids, ids past the target's vocabulary and a missing file are refused."""
+    train(tiny_config(steps=2, draft_vocab=12), tmp_path / "one", target, store)
+    counted = from_pretrained(tmp_path / "one" / "final", target).draft_vocab
+    chosen = [31, 0, 5, 7, 9, 11, 13, 2, 17, 19, 23, 29]  # not the most frequent labels, in no particular order
+    (tmp_path / "ids.json").write_text(json.dumps(chosen))
+    got = train(tiny_config(steps=1, draft_vocab=12, draft_vocab_from=str(tmp_path / "ids.json")), tmp_path / "two",
+                target, store)
+    assert got.draft_vocab.tolist() == sorted(chosen)
+    again = train(tiny_config(steps=1, draft_vocab=12, draft_vocab_from=str(tmp_path / "one" / "final")),
+                  tmp_path / "three", target, store)
+    assert torch.equal(again.draft_vocab.cpu(), counted.cpu())
+    for bad, match in [(chosen[:11], "holds 11 ids"), (chosen[:11] + [0], "distinct"), (chosen[:11] + [VOCAB], "distinct"),
+                       ("not json", "not a JSON list")]:
+        (tmp_path / "bad.json").write_text(bad if isinstance(bad, str) else json.dumps(bad))
+        with pytest.raises(HyflashError, match=match):
+            train(tiny_config(steps=1, draft_vocab=12, draft_vocab_from=str(tmp_path / "bad.json")),
+                  tmp_path / f"bad-{match[:4]}", target, store)
+    with pytest.raises(HyflashError, match="not found"):
+        train(tiny_config(steps=1, draft_vocab=12, draft_vocab_from=str(tmp_path / "missing.json")), tmp_path / "x",
+              target, store)
+
+
 # ---------------------------------------------------------------------------------------------- the pieces
 def test_anchors_and_supervised_slots_stay_inside_spans():
     """Anchors lie in a span; slot j (learning labels[a + j], the token at a + j + 1) is supervised exactly when
@@ -434,3 +459,18 @@ def test_init_from_a_gemma_target_copies_the_scales_its_norms_apply():
     x = torch.randn(3, 32, dtype=torch.float64)
     assert torch.allclose(d.layers[1].norm(x), src.input_layernorm(x))  # the same function, not just the numbers
     assert f"layers.1.attn.q_proj <- {j}" in copied
+
+
+def test_gemma3_gpu_recipes_differ_in_the_drafter_only_and_keep_the_cpu_held_out_split():
+    """The four GPU recipes (scripts/gpu_gemma3.sh trains them side by side) share data, schedule and seeds; each
+    drafter is its CPU recipe's; the CPU feature cache's sequences come first with the same split settings, so
+    their held-out sequences are the CPU runs' (split_store splits each part on its own)."""
+    names = {"hyflash": "gemma3-hyflash", "full": "gemma3-full", "swa": "gemma3-swa", "noslot": "gemma3-hyflash-noslot"}
+    gpu = {v: load_recipe(f"gemma3-{v}-gpu") for v in names}
+    for v, cpu_name in names.items():
+        cpu = load_recipe(cpu_name)
+        assert gpu[v].drafter.to_dict() == cpu.drafter.to_dict()
+        assert (gpu[v].split_seed, gpu[v].val_fraction, gpu[v].val_sequences, gpu[v].draft_vocab, gpu[v].seq_len) == \
+               (cpu.split_seed, cpu.val_fraction, cpu.val_sequences, cpu.draft_vocab, cpu.seq_len)
+        assert gpu[v].data[0].endswith("part0.jsonl") and gpu[v].init_from_target and not gpu[v].init_from
+    assert len({json.dumps({**vars(c), "drafter": None, "_comment": None}, sort_keys=True) for c in gpu.values()}) == 1

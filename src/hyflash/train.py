@@ -77,6 +77,8 @@ class TrainConfig:
     init_from_target: bool = False  # drafter layers start as copies of target layers from the top half
     draft_vocab: int = 0  # reduced output vocabulary: the N most frequent target labels (0 = the full vocabulary)
     init_from: str = ""  # a saved drafter (save_pretrained directory) to start from: a second training stage
+    draft_vocab_from: str = ""  # a JSON list of token ids, or a saved drafter, giving the draft vocabulary instead of
+    # counting training labels (which, with an online store, runs the target over every training sequence first)
     # bookkeeping
     seed: int = 0  # anchors, crops and the data order
     split_seed: int = 0  # which sequences are held out: the same for every stage and seed unless changed
@@ -404,6 +406,34 @@ def draft_vocabulary(store, train_idx, size: int, vocab_size: int, max_sequences
     return torch.from_numpy(np.sort(label_order(store, train_idx, vocab_size, max_sequences)[:size]))
 
 
+def load_draft_vocab(path, size: int, vocab_size: int) -> torch.Tensor:
+    """The draft vocabulary in ``path``: a JSON list of token ids, or a saved drafter directory (its ``draft_vocab``
+    buffer). Checked against the recipe's ``draft_vocab`` size and the target's vocabulary."""
+    path = Path(path)
+    if path.is_dir():
+        from safetensors import safe_open
+
+        weights = path / "model.safetensors"
+        if not weights.is_file():
+            raise HyflashError(f"draft_vocab_from: {path} holds no model.safetensors")
+        with safe_open(str(weights), framework="pt") as f:
+            if "draft_vocab" not in f.keys():
+                raise HyflashError(f"draft_vocab_from: the drafter in {path} has no draft vocabulary")
+            ids = f.get_tensor("draft_vocab").long()
+    elif path.is_file():
+        try:
+            ids = torch.tensor(json.loads(path.read_text()), dtype=torch.long)
+        except (json.JSONDecodeError, TypeError, ValueError) as e:
+            raise HyflashError(f"draft_vocab_from: {path} is not a JSON list of token ids ({e})") from None
+    else:
+        raise HyflashError(f"draft_vocab_from: {path} not found")
+    if ids.ndim != 1 or ids.numel() != size:
+        raise HyflashError(f"draft_vocab_from: {path} holds {ids.numel()} ids; the recipe's draft_vocab is {size}")
+    if len(ids.unique()) != size or ids.min() < 0 or ids.max() >= vocab_size:
+        raise HyflashError(f"draft_vocab_from: {path} needs {size} distinct ids in [0, {vocab_size})")
+    return ids.sort().values
+
+
 @torch.no_grad()
 def draft_vocab_ceiling(store, train_idx, val_idx, cfg: "TrainConfig", sizes: list[int], vocab_size: int) -> list[dict]:
     """What a reduced draft vocabulary can cost, before any drafter is trained: for each size N (0 = the full
@@ -706,7 +736,9 @@ def train(cfg: TrainConfig, out_dir, target=None, store=None, resume: bool = Tru
         if main:
             print(f"hyflash: started from the drafter in {cfg.init_from} ({len(copied)} tensors)", file=sys.stderr)
     elif cfg.draft_vocab and not found:
-        drafter.set_draft_vocab(draft_vocabulary(store, train_idx, cfg.draft_vocab, target.vocab_size))
+        drafter.set_draft_vocab(load_draft_vocab(cfg.draft_vocab_from, cfg.draft_vocab, target.vocab_size)
+                                if cfg.draft_vocab_from else
+                                draft_vocabulary(store, train_idx, cfg.draft_vocab, target.vocab_size))
     if cfg.init_from_target and not found and not cfg.init_from:
         copied = init_from_target(drafter, target)
         if main:

@@ -1,0 +1,134 @@
+#!/usr/bin/env bash
+# Train the Gemma 3 drafters side by side on one GPU (one process per variant, equal data, steps and seeds), from
+# the files scripts/device_kit_gemma3.sh put in .device/: the target's GGUF (xz, in parts), the tokenised
+# sequences, the draft vocabulary and the pure-Python packages the machine may lack. The target computes features
+# online. Run from the repository root:
+#   bash scripts/gpu_gemma3.sh check            # versions, the CUDA training test on a tiny model (~1 min)
+#   bash scripts/gpu_gemma3.sh train SECONDS    # join + convert the target, time 12 steps, train to fit SECONDS
+#   bash scripts/gpu_gemma3.sh fetch K          # result parts the train call could not return: 4 per call, K = 1, 2
+# Results: .device/results/gemma3-gpu.tar (each variant's final/, log.jsonl, train_config.json, loss.png, the probe
+# log and the exact commands), cut into 16 MiB parts .device/results/part-NN. A call returns at most 64 MiB: the
+# train call brings parts 00-02 and the tar's sha256, `fetch 1` parts 03-06, `fetch 2` parts 07-10. Join them
+# here with `cat part-* > gemma3-gpu.tar` and check the sha256.
+# VARIANTS (default "hyflash full swa noslot"), DEVICE (default cuda) and EXTRA (more --set FIELD=VALUE) let the
+# same script run a small smoke test on a CPU.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
+MODE=${1:-check}
+KIT=$PWD/.device
+RESULTS=$KIT/results
+TARGET_DIR=$KIT/gemma-3-270m
+VARIANTS=(${VARIANTS:-hyflash full swa noslot})
+OUT_DIR=${OUT:-$PWD/runs/gpu-out}
+mkdir -p "$OUT_DIR"
+
+# pure-Python packages the machine lacks (gguf), installed once per machine
+if ls "$KIT"/whl/*.whl >/dev/null 2>&1 && [ ! -f /tmp/hyflash-site/.done ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/hyflash-site \
+    "$KIT"/whl/*.whl && touch /tmp/hyflash-site/.done
+fi
+[ -d /tmp/hyflash-site ] && export PYTHONPATH="$PYTHONPATH:/tmp/hyflash-site"
+
+if [ "$MODE" = fetch ]; then
+  K=${2:?usage: gpu_gemma3.sh fetch K}
+  ls "$RESULTS"/part-* | tail -n +$(( 4 * K )) | head -n 4 | xargs -r -I{} cp {} "$OUT_DIR"/
+  ls -la "$OUT_DIR"
+  exit 0
+fi
+
+python3 - <<'PY'
+import importlib, torch
+print("torch", torch.__version__, "| cuda", torch.cuda.is_available(),
+      torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")
+for m in ("transformers", "gguf", "tokenizers", "safetensors", "numpy", "accelerate", "tqdm", "click"):
+    try:
+        print(m, getattr(importlib.import_module(m), "__version__", "?"))
+    except ImportError as e:
+        print(m, "MISSING", e)
+PY
+
+if [ "$MODE" = check ]; then
+  du -sh "$KIT"/* 2>/dev/null || true
+  python3 -m pytest -q -p no:cacheprovider tests/test_data_pipeline.py -k "gpu or online" 2>&1 | tail -4
+  exit 0
+fi
+
+BUDGET=${2:?usage: gpu_gemma3.sh train SECONDS}
+START=$(date +%s)
+if [ ! -f "$TARGET_DIR/config.json" ]; then
+  cat "$KIT"/gguf.xz.part* | xz -d > "$KIT/target.gguf"
+  python3 - "$KIT" <<'PY'
+import sys
+from pathlib import Path
+from hyflash.target import EMBEDDED_TARGETS, _sha256, convert_gguf
+kit = Path(sys.argv[1])
+gguf = kit / "target.gguf"
+assert _sha256(gguf) == EMBEDDED_TARGETS["gemma3-270m"]["sha256"], "the joined GGUF has the wrong sha256"
+convert_gguf(gguf, kit / "gemma-3-270m")
+PY
+  rm -f "$KIT/target.gguf"
+fi
+[ -d "$KIT/gemma3" ] || tar xzf "$KIT/gemma3.tar.gz" -C "$KIT"
+echo "target and data ready after $(( $(date +%s) - START )) s"
+
+common() {  # the arguments every run of variant $1 shares
+  echo --recipe "gemma3-$1-gpu" --set target="$TARGET_DIR" --set draft_vocab_from="$KIT/gemma3/draft_vocab.json" \
+    --device "${DEVICE:-cuda}" ${EXTRA:-}
+}
+
+# 12 steps of every variant at once, to time them as they will run (side by side); steps 1-4 (CUDA start-up, the
+# allocator) are left out of the rate
+for v in "${VARIANTS[@]}"; do
+  rm -rf "/tmp/probe-$v"
+  python3 -m hyflash.train $(common "$v") --steps 12 --set eval_every=1000000 --set val_fraction=0 \
+    --out "/tmp/probe-$v" > "/tmp/probe-$v.log" 2>&1 &
+done
+wait
+for v in "${VARIANTS[@]}"; do tail -n 2 "/tmp/probe-$v.log"; done
+STEPS=$(python3 - "$BUDGET" "$START" "${VARIANTS[@]}" <<'PY'
+import json, sys, time
+budget, start, variants = float(sys.argv[1]), float(sys.argv[2]), sys.argv[3:]
+rates = []
+for v in variants:
+    log = [json.loads(l) for l in open(f"/tmp/probe-{v}/log.jsonl")]
+    rates.append((log[-1]["elapsed"] - log[3]["elapsed"]) / (len(log) - 4))  # seconds per step
+rate = max(rates)
+left = budget - (time.time() - start) - 75  # start-up, validations and the export
+steps = max(20, int(0.85 * left / rate))
+print("s/step " + " ".join(f"{v} {r:.3f}" for v, r in zip(variants, rates)) + f"; {left:.0f} s left -> {steps} steps",
+      file=sys.stderr)
+print(steps)
+PY
+)
+EVAL=$(( STEPS / 3 > 0 ? STEPS / 3 : 1 ))
+LEFT=$(( BUDGET - ($(date +%s) - START) - 25 ))
+mkdir -p "$RESULTS"
+for v in "${VARIANTS[@]}"; do
+  CMD="python3 -m hyflash.train $(common "$v") --steps $STEPS --set eval_every=$EVAL --out /tmp/run-$v"
+  echo "$CMD" | tee "/tmp/command-$v.txt"
+  ( timeout "$LEFT" $CMD > "/tmp/run-$v.log" 2>&1 \
+    || { echo "stopped before step $STEPS; exporting the latest checkpoint" | tee -a "/tmp/command-$v.txt"
+         python3 -m hyflash.train --export --out "/tmp/run-$v" $(common "$v") >> "/tmp/run-$v.log" 2>&1 \
+         || echo "no checkpoint was written: nothing to export"; } ) &
+done
+wait
+PACK=/tmp/gemma3-gpu
+rm -rf "$PACK" && mkdir -p "$PACK"
+for v in "${VARIANTS[@]}"; do
+  mkdir -p "$PACK/$v"
+  for f in final log.jsonl train_config.json loss.png; do [ -e "/tmp/run-$v/$f" ] && cp -r "/tmp/run-$v/$f" "$PACK/$v/"; done
+  cp "/tmp/command-$v.txt" "$PACK/$v/command.txt"
+  cp "/tmp/probe-$v/log.jsonl" "$PACK/$v/probe_log.jsonl"
+  tail -c 3000 "/tmp/run-$v.log" > "$PACK/$v/stderr_tail.txt"
+  echo "== $v"; tail -n 1 "/tmp/run-$v/log.jsonl" 2>/dev/null | cut -c1-400 || true
+done
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv > "$PACK/gpu.txt" 2>/dev/null || true
+tar cf "$RESULTS/gemma3-gpu.tar" -C /tmp gemma3-gpu
+rm -f "$RESULTS"/part-*
+split -b 16M -d -a 2 "$RESULTS/gemma3-gpu.tar" "$RESULTS/part-"
+sha256sum "$RESULTS/gemma3-gpu.tar" | tee "$OUT_DIR/gemma3-gpu.tar.sha256"
+ls "$RESULTS"/part-* | head -n 3 | xargs -I{} cp {} "$OUT_DIR"/
+ls -la "$RESULTS" "$OUT_DIR"
+echo "done after $(( $(date +%s) - START )) s"
