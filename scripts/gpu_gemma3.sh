@@ -50,7 +50,8 @@ for m in ("transformers", "gguf", "tokenizers", "safetensors", "numpy", "acceler
 PY
 
 if [ "$MODE" = check ]; then
-  du -sh "$KIT"/* 2>/dev/null || true
+  du -sh "$KIT"/* 2>/dev/null || true; du -sh --exclude=.device --exclude=.git . ; command -v xz nvidia-smi || true
+  nproc; free -g | head -2
   python3 -m pytest -q -p no:cacheprovider tests/test_data_pipeline.py -k "gpu or online" 2>&1 | tail -4
   exit 0
 fi
@@ -58,7 +59,8 @@ fi
 BUDGET=${2:?usage: gpu_gemma3.sh train SECONDS}
 START=$(date +%s)
 if [ ! -f "$TARGET_DIR/config.json" ]; then
-  cat "$KIT"/gguf.xz.part* | xz -d > "$KIT/target.gguf"
+  if command -v xz >/dev/null; then cat "$KIT"/gguf.xz.part* | xz -d > "$KIT/target.gguf"
+  else cat "$KIT"/gguf.xz.part* | python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.stdin.buffer), sys.stdout.buffer)" > "$KIT/target.gguf"; fi
   python3 - "$KIT" <<'PY'
 import sys
 from pathlib import Path
