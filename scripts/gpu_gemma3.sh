@@ -108,6 +108,7 @@ EVAL=$(( STEPS / 3 > 0 ? STEPS / 3 : 1 ))
 LEFT=$(( BUDGET - ($(date +%s) - START) - 25 ))
 mkdir -p "$RESULTS"
 for v in "${VARIANTS[@]}"; do
+  rm -rf "/tmp/run-$v"
   CMD="python3 -m hyflash.train $(common "$v") --steps $STEPS --set eval_every=$EVAL --out /tmp/run-$v"
   echo "$CMD" | tee "/tmp/command-$v.txt"
   ( timeout "$LEFT" $CMD > "/tmp/run-$v.log" 2>&1 \
