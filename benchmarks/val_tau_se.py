@@ -13,6 +13,13 @@ sequences (``hyflash.train.split_store``).
 
     python benchmarks/val_tau_se.py --data /work/data_cache/full/features --data /work/data_cache/recall/features \
         /work/runs/hyflash /work/runs/hyflash-recall
+
+Runs trained with different recipes validate on different anchors (``anchors_per_seq``, ``seq_len``) and may name a
+target path of another machine (a GPU run's converted target): ``--anchors``, ``--seq-len`` and ``--target`` set them
+for every run, so that all are scored on the same held-out blocks with the same target.
+
+    python benchmarks/val_tau_se.py --data /work/data/gemma/features --anchors 64 --target gemma3-270m \
+        /work/runs/gemma-hyflash-s2 /work/runs/gpu/gemma3-gpu2/hyflash
 """
 
 import argparse
@@ -30,6 +37,9 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("runs", nargs="+", help="training run folders (with train_config.json and final/)")
     p.add_argument("--data", action="append", help="feature store(s) to evaluate on instead of each run's own")
+    p.add_argument("--anchors", type=int, default=None, help="held-out anchors per sequence for every run")
+    p.add_argument("--seq-len", type=int, default=None, help="held-out crop length for every run")
+    p.add_argument("--target", default=None, help="the target for every run (instead of each run's own)")
     args = p.parse_args()
     torch.set_num_threads(1)
     print(machine_line())
@@ -38,6 +48,9 @@ def main():
         cfg = TrainConfig.from_dict(json.load(open(f"{run}/train_config.json")))
         if args.data:
             cfg.data = args.data[0] if len(args.data) == 1 else args.data
+        cfg.anchors_per_seq = args.anchors or cfg.anchors_per_seq
+        cfg.seq_len = args.seq_len or cfg.seq_len
+        cfg.target = args.target or cfg.target
         target = Target.load(cfg.target, "bf16", feature_layers=cfg.drafter.target_layers)
         store = open_store(cfg.data)
         check_store(store, target, cfg)

@@ -5,11 +5,13 @@
 # online. Run from the repository root:
 #   bash scripts/gpu_gemma3.sh check            # versions, the CUDA training test on a tiny model (~1 min)
 #   bash scripts/gpu_gemma3.sh train SECONDS    # join + convert the target, time 12 steps, train to fit SECONDS
-#   bash scripts/gpu_gemma3.sh fetch K          # result parts the train call could not return: 4 per call, K = 1, 2
+#   bash scripts/gpu_gemma3.sh continue STEPS SECONDS  # a second stage from the train call's drafters (lr 5e-4 ->
+#                                                #   5e-5, seed 1), each run stopped and exported after SECONDS
+#   bash scripts/gpu_gemma3.sh fetch K [results|results2]  # parts a call could not return: 4 per call, K = 1, 2
 # Results: .device/results/gemma3-gpu.tar (each variant's final/, log.jsonl, train_config.json, loss.png, the probe
 # log and the exact commands), cut into 16 MiB parts .device/results/part-NN. A call returns at most 64 MiB: the
 # train call brings parts 00-02 and the tar's sha256, `fetch 1` parts 03-06, `fetch 2` parts 07-10. Join them
-# here with `cat part-* > gemma3-gpu.tar` and check the sha256.
+# here with `cat part-* > gemma3-gpu.tar` and check the sha256. `continue` does the same in .device/results2/.
 # VARIANTS (default "hyflash full swa noslot"), DEVICE (default cuda) and EXTRA (more --set FIELD=VALUE) let the
 # same script run a small smoke test on a CPU.
 set -euo pipefail
@@ -32,9 +34,48 @@ fi
 [ -d /tmp/hyflash-site ] && export PYTHONPATH="$PYTHONPATH:/tmp/hyflash-site"
 
 if [ "$MODE" = fetch ]; then
-  K=${2:?usage: gpu_gemma3.sh fetch K}
-  ls "$RESULTS"/part-* | tail -n +$(( 4 * K )) | head -n 4 | xargs -r -I{} cp {} "$OUT_DIR"/
+  K=${2:?usage: gpu_gemma3.sh fetch K [results|results2]}
+  ls "$KIT/${3:-results}"/part-* | tail -n +$(( 4 * K )) | head -n 4 | xargs -r -I{} cp {} "$OUT_DIR"/
   ls -la "$OUT_DIR"
+  exit 0
+fi
+
+pack() {  # pack RESULTS_DIR NAME RUN_PREFIX: each variant's run into RESULTS_DIR/NAME.tar, cut into 16 MiB parts
+  local results=$1 name=$2 prefix=$3 pack=/tmp/$2
+  rm -rf "$pack" && mkdir -p "$pack" "$results"
+  for v in "${VARIANTS[@]}"; do
+    mkdir -p "$pack/$v"
+    for f in final log.jsonl train_config.json loss.png; do
+      [ -e "/tmp/$prefix-$v/$f" ] && cp -r "/tmp/$prefix-$v/$f" "$pack/$v/"
+    done
+    for f in command.txt probe_log.jsonl; do [ -e "/tmp/$prefix-$v.$f" ] && cp "/tmp/$prefix-$v.$f" "$pack/$v/$f"; done
+    tail -c 3000 "/tmp/$prefix-$v.log" > "$pack/$v/stderr_tail.txt"
+    echo "== $v"; tail -n 1 "/tmp/$prefix-$v/log.jsonl" 2>/dev/null | cut -c1-400 || true
+  done
+  nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv > "$pack/gpu.txt" 2>/dev/null || true
+  tar cf "$results/$name.tar" -C /tmp "$name"
+  rm -f "$results"/part-*
+  split -b 16M -d -a 2 "$results/$name.tar" "$results/part-"
+  sha256sum "$results/$name.tar" | tee "$OUT_DIR/$name.tar.sha256"
+  ls "$results"/part-* | head -n 3 | xargs -I{} cp {} "$OUT_DIR"/
+  ls -la "$results" "$OUT_DIR"
+}
+
+if [ "$MODE" = continue ]; then  # the train call's target, data and drafters are still on this machine
+  STEPS=${2:?usage: gpu_gemma3.sh continue STEPS SECONDS}; SECONDS_EACH=${3:?seconds per run}
+  START=$(date +%s)
+  for v in "${VARIANTS[@]}"; do
+    rm -rf "/tmp/s2-$v"
+    CMD="python3 -m hyflash.train --recipe gemma3-$v-gpu --set target=$TARGET_DIR --set init_from=/tmp/run-$v/final
+      --set init_from_target=false --set lr=0.0005 --set min_lr=0.00005 --set warmup=0.02 --set seed=1
+      --set eval_every=1000000 --set ckpt_every=25 --device ${DEVICE:-cuda} ${EXTRA:-} --steps $STEPS --out /tmp/s2-$v"
+    echo $CMD | tee "/tmp/s2-$v.command.txt"
+    ( timeout "$SECONDS_EACH" $CMD > "/tmp/s2-$v.log" 2>&1 \
+      || python3 -m hyflash.train --export --out "/tmp/s2-$v" >> "/tmp/s2-$v.log" 2>&1 ) &
+  done
+  wait
+  pack "$KIT/results2" gemma3-gpu2 s2
+  echo "done after $(( $(date +%s) - START )) s"
   exit 0
 fi
 
@@ -110,28 +151,13 @@ mkdir -p "$RESULTS"
 for v in "${VARIANTS[@]}"; do
   rm -rf "/tmp/run-$v"
   CMD="python3 -m hyflash.train $(common "$v") --steps $STEPS --set eval_every=$EVAL --out /tmp/run-$v"
-  echo "$CMD" | tee "/tmp/command-$v.txt"
+  echo "$CMD" | tee "/tmp/run-$v.command.txt"
+  cp "/tmp/probe-$v/log.jsonl" "/tmp/run-$v.probe_log.jsonl"
   ( timeout "$LEFT" $CMD > "/tmp/run-$v.log" 2>&1 \
-    || { echo "stopped before step $STEPS; exporting the latest checkpoint" | tee -a "/tmp/command-$v.txt"
+    || { echo "stopped before step $STEPS; exporting the latest checkpoint" | tee -a "/tmp/run-$v.command.txt"
          python3 -m hyflash.train --export --out "/tmp/run-$v" $(common "$v") >> "/tmp/run-$v.log" 2>&1 \
          || echo "no checkpoint was written: nothing to export"; } ) &
 done
 wait
-PACK=/tmp/gemma3-gpu
-rm -rf "$PACK" && mkdir -p "$PACK"
-for v in "${VARIANTS[@]}"; do
-  mkdir -p "$PACK/$v"
-  for f in final log.jsonl train_config.json loss.png; do [ -e "/tmp/run-$v/$f" ] && cp -r "/tmp/run-$v/$f" "$PACK/$v/"; done
-  cp "/tmp/command-$v.txt" "$PACK/$v/command.txt"
-  cp "/tmp/probe-$v/log.jsonl" "$PACK/$v/probe_log.jsonl"
-  tail -c 3000 "/tmp/run-$v.log" > "$PACK/$v/stderr_tail.txt"
-  echo "== $v"; tail -n 1 "/tmp/run-$v/log.jsonl" 2>/dev/null | cut -c1-400 || true
-done
-nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv > "$PACK/gpu.txt" 2>/dev/null || true
-tar cf "$RESULTS/gemma3-gpu.tar" -C /tmp gemma3-gpu
-rm -f "$RESULTS"/part-*
-split -b 16M -d -a 2 "$RESULTS/gemma3-gpu.tar" "$RESULTS/part-"
-sha256sum "$RESULTS/gemma3-gpu.tar" | tee "$OUT_DIR/gemma3-gpu.tar.sha256"
-ls "$RESULTS"/part-* | head -n 3 | xargs -I{} cp {} "$OUT_DIR"/
-ls -la "$RESULTS" "$OUT_DIR"
+pack "$RESULTS" gemma3-gpu run
 echo "done after $(( $(date +%s) - START )) s"
