@@ -79,16 +79,7 @@ if [ "$MODE" = continue ]; then  # the train call's target, data and drafters ar
   exit 0
 fi
 
-python3 - <<'PY'
-import importlib, torch
-print("torch", torch.__version__, "| cuda", torch.cuda.is_available(),
-      torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")
-for m in ("transformers", "gguf", "tokenizers", "safetensors", "numpy", "accelerate", "tqdm", "click"):
-    try:
-        print(m, getattr(importlib.import_module(m), "__version__", "?"))
-    except ImportError as e:
-        print(m, "MISSING", e)
-PY
+python3 scripts/device_versions.py
 
 if [ "$MODE" = check ]; then
   du -sh "$KIT"/* 2>/dev/null || true; du -sh --exclude=.device --exclude=.git . ; command -v xz nvidia-smi || true

@@ -22,16 +22,7 @@ MODE=${1:-check}
 RESULTS=${OUT:-$PWD/runs}/hyflash-gpu
 TARGET_DIR=.device/SmolLM2-135M-Instruct
 
-python - <<'PY'
-import importlib, torch
-print("torch", torch.__version__, "| cuda", torch.cuda.is_available(),
-      torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")
-for m in ("transformers", "click", "gguf", "yaml", "tqdm", "safetensors", "numpy", "accelerate"):
-    try:
-        print(m, getattr(importlib.import_module(m), "__version__", "?"))
-    except ImportError as e:
-        print(m, "MISSING", e)
-PY
+python scripts/device_versions.py
 
 if [ "$MODE" = check ]; then
   ls -la .device || true
