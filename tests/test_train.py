@@ -84,7 +84,9 @@ def test_loss_decreases_on_memorisable_fixture(target, store, tmp_path):
     assert np.mean(losses[-5:]) < 0.6 * np.mean(losses[:5])
     assert np.mean([r["acc"][0] for r in log[-5:]]) > np.mean([r["acc"][0] for r in log[:5]]) + 0.2
     assert len(log[-1]["acc"]) == 4 and 1.0 <= log[-1]["val_tau"] <= 5.0
-    assert {"step", "loss", "acc", "lr", "anchors_per_s", "elapsed"} <= set(log[0])
+    assert {"step", "loss", "acc", "lr", "anchors_per_s", "elapsed", "data_s", "step_s"} <= set(log[0])
+    # where a step's time goes: the batch (the store; on a GPU an online target's forward) is part of the step
+    assert all(0 <= r["data_s"] <= r["step_s"] for r in log)
 
 
 # --------------------------------------------------------------------------------------------- resume

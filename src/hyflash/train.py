@@ -677,6 +677,13 @@ def set_rng_states(s: dict) -> None:
     torch.set_rng_state(s["torch"])
 
 
+def _clock(device: torch.device) -> float:
+    """time.perf_counter() once the device's queued work is done (CUDA runs asynchronously)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 def _truncate_log(path: Path, step: int) -> None:
     """On resume, drop log lines the killed run wrote after its last checkpoint (they are about to be redone)."""
     if path.exists():
@@ -783,6 +790,7 @@ def train(cfg: TrainConfig, out_dir, target=None, store=None, resume: bool = Tru
         if drafter.draft_vocab is not None:
             b = to_draft_vocab(b, index_of)
         b = on_device(b, device)
+        t_data = _clock(device) - t_step  # the batch: the store (an online target's forward too) and the copy
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
             logits = model(b["features"], b["input_ids"], b["anchors"], b["prev_ids"])  # [B, n, S, V]
         loss, correct, count = block_loss(logits, b["targets"], b["mask"], weights, cfg.kl_weight,
@@ -804,6 +812,7 @@ def train(cfg: TrainConfig, out_dir, target=None, store=None, resume: bool = Tru
             rec = {"step": step, "loss": round(stats[0].item(), 5), "acc": [round(a, 4) for a in acc],
                    "lr": lr, "grad_norm": round(float(grad_norm), 4),
                    "anchors_per_s": round(stats[-1].item() / (time.perf_counter() - t_step), 1),
+                   "data_s": round(t_data, 4), "step_s": round(time.perf_counter() - t_step, 4),
                    "elapsed": round(elapsed, 2)}
             if step % cfg.eval_every == 0 or step == cfg.steps:
                 if len(val_idx):
