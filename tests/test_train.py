@@ -339,6 +339,13 @@ def test_gemma3_second_stages_continue_their_own_first_stage_on_one_schedule():
     assert len(schedules) == 1
 
 
+def test_gemma3_mem512_ablation_differs_from_hyflash_in_the_memory_limit_only():
+    plain, limited = load_recipe("gemma3-hyflash"), load_recipe("gemma3-hyflash-mem512")
+    assert plain.drafter.memory_limit is None and limited.drafter.memory_limit == 512
+    assert {**limited.drafter.to_dict(), "memory_limit": None} == plain.drafter.to_dict()
+    assert {**vars(limited), "drafter": None, "_comment": None} == {**vars(plain), "drafter": None, "_comment": None}
+
+
 def test_gemma3_noslot_ablation_differs_from_hyflash_in_slot_attention_only():
     plain, noslot = load_recipe("gemma3-hyflash"), load_recipe("gemma3-hyflash-noslot")
     assert plain.drafter.slot_attention and not noslot.drafter.slot_attention
