@@ -138,7 +138,6 @@ PY
 )
 EVAL=$(( STEPS / 3 > 0 ? STEPS / 3 : 1 ))
 LEFT=$(( BUDGET - ($(date +%s) - START) - 25 ))
-mkdir -p "$RESULTS"
 for v in "${VARIANTS[@]}"; do
   rm -rf "/tmp/run-$v"
   CMD="python3 -m hyflash.train $(common "$v") --steps $STEPS --set eval_every=$EVAL --out /tmp/run-$v"
@@ -146,7 +145,7 @@ for v in "${VARIANTS[@]}"; do
   cp "/tmp/probe-$v/log.jsonl" "/tmp/run-$v.probe_log.jsonl"
   ( timeout "$LEFT" $CMD > "/tmp/run-$v.log" 2>&1 \
     || { echo "stopped before step $STEPS; exporting the latest checkpoint" | tee -a "/tmp/run-$v.command.txt"
-         python3 -m hyflash.train --export --out "/tmp/run-$v" $(common "$v") >> "/tmp/run-$v.log" 2>&1 \
+         python3 -m hyflash.train --export --out "/tmp/run-$v" >> "/tmp/run-$v.log" 2>&1 \
          || echo "no checkpoint was written: nothing to export"; } ) &
 done
 wait
