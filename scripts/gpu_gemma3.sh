@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Train the Gemma 3 drafters side by side on one GPU (one process per variant, equal data, steps and seeds), from
+# Train the Gemma 3 drafters side by side on one GPU (one process, one target forward per batch shared by every
+# variant: `hyflash train` with several recipes; equal data, steps and seeds), from
 # the files scripts/device_kit_gemma3.sh put in .device/: the target's GGUF (xz, in parts), the tokenised
 # sequences, the draft vocabulary and the pure-Python packages the machine may lack. The target computes features
 # online. Run from the repository root:
 #   bash scripts/gpu_gemma3.sh check            # versions, the CUDA training test on a tiny model (~1 min)
 #   bash scripts/gpu_gemma3.sh train SECONDS    # join + convert the target, time 12 steps, train to fit SECONDS
 #   bash scripts/gpu_gemma3.sh continue STEPS SECONDS  # a second stage from the train call's drafters (lr 5e-4 ->
-#                                                #   5e-5, seed 1), each run stopped and exported after SECONDS
+#                                                #   5e-5, seed 1), stopped and exported after SECONDS
 #   bash scripts/gpu_gemma3.sh fetch K [results|results2]  # parts a call could not return: 4 per call, K = 1, 2
 # Results: .device/results/gemma3-gpu.tar (each variant's final/, log.jsonl, train_config.json, loss.png, the probe
 # log and the exact commands), cut into 16 MiB parts .device/results/part-NN. A call returns at most 64 MiB: the
@@ -40,18 +41,19 @@ if [ "$MODE" = fetch ]; then
   exit 0
 fi
 
-pack() {  # pack RESULTS_DIR NAME RUN_PREFIX: each variant's run into RESULTS_DIR/NAME.tar, cut into 16 MiB parts
-  local results=$1 name=$2 prefix=$3 pack=/tmp/$2
+pack() {  # pack RESULTS_DIR NAME RUN: each variant's run in /tmp/RUN/ into RESULTS_DIR/NAME.tar, cut into 16 MiB parts
+  local results=$1 name=$2 run=/tmp/$3 pack=/tmp/$2
   rm -rf "$pack" && mkdir -p "$pack" "$results"
   for v in "${VARIANTS[@]}"; do
     mkdir -p "$pack/$v"
     for f in final log.jsonl train_config.json loss.png; do
-      [ -e "/tmp/$prefix-$v/$f" ] && cp -r "/tmp/$prefix-$v/$f" "$pack/$v/"
+      [ -e "$run/gemma3-$v-gpu/$f" ] && cp -r "$run/gemma3-$v-gpu/$f" "$pack/$v/"
     done
-    for f in command.txt probe_log.jsonl; do [ -e "/tmp/$prefix-$v.$f" ] && cp "/tmp/$prefix-$v.$f" "$pack/$v/$f"; done
-    tail -c 3000 "/tmp/$prefix-$v.log" > "$pack/$v/stderr_tail.txt"
-    echo "== $v"; tail -n 1 "/tmp/$prefix-$v/log.jsonl" 2>/dev/null | cut -c1-400 || true
+    [ -e "$run.probe/gemma3-$v-gpu/log.jsonl" ] && cp "$run.probe/gemma3-$v-gpu/log.jsonl" "$pack/$v/probe_log.jsonl"
+    echo "== $v"; tail -n 1 "$run/gemma3-$v-gpu/log.jsonl" 2>/dev/null | cut -c1-400 || true
   done
+  for f in command.txt; do [ -e "$run.$f" ] && cp "$run.$f" "$pack/$f"; done
+  tail -c 6000 "$run.log" > "$pack/stderr_tail.txt"
   nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv > "$pack/gpu.txt" 2>/dev/null || true
   tar cf "$results/$name.tar" -C /tmp "$name"
   rm -f "$results"/part-*
@@ -61,19 +63,22 @@ pack() {  # pack RESULTS_DIR NAME RUN_PREFIX: each variant's run into RESULTS_DI
   ls -la "$results" "$OUT_DIR"
 }
 
+recipes() {  # --recipe gemma3-V-gpu for every variant: one process trains them all
+  for v in "${VARIANTS[@]}"; do echo --recipe "gemma3-$v-gpu"; done
+}
+
 if [ "$MODE" = continue ]; then  # the train call's target, data and drafters are still on this machine
-  STEPS=${2:?usage: gpu_gemma3.sh continue STEPS SECONDS}; SECONDS_EACH=${3:?seconds per run}
+  STEPS=${2:?usage: gpu_gemma3.sh continue STEPS SECONDS}; LEFT=${3:?seconds for the run}
   START=$(date +%s)
-  for v in "${VARIANTS[@]}"; do
-    rm -rf "/tmp/s2-$v"
-    CMD="python3 -m hyflash.train --recipe gemma3-$v-gpu --set target=$TARGET_DIR --set init_from=/tmp/run-$v/final
-      --set init_from_target=false --set lr=0.0005 --set min_lr=0.00005 --set warmup=0.02 --set seed=1
-      --set eval_every=1000000 --set ckpt_every=25 --device ${DEVICE:-cuda} ${EXTRA:-} --steps $STEPS --out /tmp/s2-$v"
-    echo $CMD | tee "/tmp/s2-$v.command.txt"
-    ( timeout "$SECONDS_EACH" $CMD > "/tmp/s2-$v.log" 2>&1 \
-      || python3 -m hyflash.train --export --out "/tmp/s2-$v" >> "/tmp/s2-$v.log" 2>&1 ) &
-  done
-  wait
+  rm -rf /tmp/s2
+  INIT=$(for v in "${VARIANTS[@]}"; do echo --init-from "/tmp/run/gemma3-$v-gpu/final"; done)
+  CMD="python3 -m hyflash.train $(recipes) $INIT --set target=$TARGET_DIR --set init_from_target=false
+    --set lr=0.0005 --set min_lr=0.00005 --set warmup=0.02 --set seed=1 --set eval_every=1000000 --set ckpt_every=25
+    --device ${DEVICE:-cuda} ${EXTRA:-} --steps $STEPS --out /tmp/s2"
+  echo $CMD | tee /tmp/s2.command.txt
+  timeout "$LEFT" $CMD > /tmp/s2.log 2>&1 \
+    || { echo "stopped before step $STEPS; exporting the latest checkpoints" | tee -a /tmp/s2.command.txt
+         python3 -m hyflash.train --export --out /tmp/s2 >> /tmp/s2.log 2>&1 || echo "nothing to export"; }
   pack "$KIT/results2" gemma3-gpu2 s2
   echo "done after $(( $(date +%s) - START )) s"
   exit 0
@@ -107,47 +112,37 @@ fi
 [ -d "$KIT/gemma3" ] || tar xzf "$KIT/gemma3.tar.gz" -C "$KIT"
 echo "target and data ready after $(( $(date +%s) - START )) s"
 
-common() {  # the arguments every run of variant $1 shares
-  echo --recipe "gemma3-$1-gpu" --set target="$TARGET_DIR" --set draft_vocab_from="$KIT/gemma3/draft_vocab.json" \
-    --device "${DEVICE:-cuda}" ${EXTRA:-}
-}
+COMMON="$(recipes) --set target=$TARGET_DIR --set draft_vocab_from=$KIT/gemma3/draft_vocab.json --device ${DEVICE:-cuda}
+  ${EXTRA:-}"
 
-# 12 steps of every variant at once, to time them as they will run (side by side); steps 1-4 (CUDA start-up, the
-# allocator) are left out of the rate
-for v in "${VARIANTS[@]}"; do
-  rm -rf "/tmp/probe-$v"
-  python3 -m hyflash.train $(common "$v") --steps 12 --set eval_every=1000000 --set val_fraction=0 \
-    --out "/tmp/probe-$v" > "/tmp/probe-$v.log" 2>&1 &
-done
-wait
-for v in "${VARIANTS[@]}"; do tail -n 2 "/tmp/probe-$v.log"; done
+# 12 steps of every variant in one process, timed as they will run; steps 1-4 (CUDA start-up, the allocator) are
+# left out of the rate. Each log line's data_s is the shared batch (the target's forward), step_s adds one drafter.
+rm -rf /tmp/run.probe
+python3 -m hyflash.train $COMMON --steps 12 --set eval_every=1000000 --set val_fraction=0 --out /tmp/run.probe \
+  > /tmp/run.probe.log 2>&1
+tail -n 2 /tmp/run.probe.log
 STEPS=$(python3 - "$BUDGET" "$START" "${VARIANTS[@]}" <<'PY'
 import json, sys, time
 budget, start, variants = float(sys.argv[1]), float(sys.argv[2]), sys.argv[3:]
-rates = []
-for v in variants:
-    log = [json.loads(l) for l in open(f"/tmp/probe-{v}/log.jsonl")]
-    rates.append((log[-1]["elapsed"] - log[3]["elapsed"]) / (len(log) - 4))  # seconds per step
-rate = max(rates)
+logs = {v: [json.loads(l) for l in open(f"/tmp/run.probe/gemma3-{v}-gpu/log.jsonl")] for v in variants}
+log = logs[variants[0]]
+rate = (log[-1]["elapsed"] - log[3]["elapsed"]) / (len(log) - 4)  # seconds per step, all variants together
+for v, lg in logs.items():
+    data = sorted(r["data_s"] for r in lg[4:]); own = sorted(r["step_s"] - r["data_s"] for r in lg[4:])
+    print(f"{v}: batch {data[len(data) // 2]:.3f} s, own step {own[len(own) // 2]:.3f} s (medians)", file=sys.stderr)
 left = budget - (time.time() - start) - 75  # start-up, validations and the export
 steps = max(20, int(0.85 * left / rate))
-print("s/step " + " ".join(f"{v} {r:.3f}" for v, r in zip(variants, rates)) + f"; {left:.0f} s left -> {steps} steps",
-      file=sys.stderr)
+print(f"{rate:.3f} s/step for all; {left:.0f} s left -> {steps} steps", file=sys.stderr)
 print(steps)
 PY
 )
 EVAL=$(( STEPS / 3 > 0 ? STEPS / 3 : 1 ))
 LEFT=$(( BUDGET - ($(date +%s) - START) - 25 ))
-for v in "${VARIANTS[@]}"; do
-  rm -rf "/tmp/run-$v"
-  CMD="python3 -m hyflash.train $(common "$v") --steps $STEPS --set eval_every=$EVAL --out /tmp/run-$v"
-  echo "$CMD" | tee "/tmp/run-$v.command.txt"
-  cp "/tmp/probe-$v/log.jsonl" "/tmp/run-$v.probe_log.jsonl"
-  ( timeout "$LEFT" $CMD > "/tmp/run-$v.log" 2>&1 \
-    || { echo "stopped before step $STEPS; exporting the latest checkpoint" | tee -a "/tmp/run-$v.command.txt"
-         python3 -m hyflash.train --export --out "/tmp/run-$v" >> "/tmp/run-$v.log" 2>&1 \
-         || echo "no checkpoint was written: nothing to export"; } ) &
-done
-wait
+rm -rf /tmp/run
+CMD="python3 -m hyflash.train $COMMON --steps $STEPS --set eval_every=$EVAL --out /tmp/run"
+echo $CMD | tee /tmp/run.command.txt
+timeout "$LEFT" $CMD > /tmp/run.log 2>&1 \
+  || { echo "stopped before step $STEPS; exporting the latest checkpoints" | tee -a /tmp/run.command.txt
+       python3 -m hyflash.train --export --out /tmp/run >> /tmp/run.log 2>&1 || echo "nothing to export"; }
 pack "$RESULTS" gemma3-gpu run
 echo "done after $(( $(date +%s) - START )) s"

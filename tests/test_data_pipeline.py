@@ -298,6 +298,56 @@ def test_training_on_online_features_equals_training_on_the_cache(target, sequen
             train(TrainConfig(**cfg, data=str(sequences), device="cuda"), tmp_path / "gpu", target=target)
 
 
+def test_drafters_trained_together_share_each_online_forward(target, sequences, tmp_path, monkeypatch):
+    """Two drafters in one process read every batch from one target forward: the target runs exactly as often as
+    for one drafter alone (training and validation), and each drafter is the one it would be alone. From the
+    command line, several --recipe train into --out/<recipe>/, and --export exports each run of a stopped group."""
+    from click.testing import CliRunner
+
+    import hyflash.data.online as online
+    from hyflash.data.online import OnlineFeatureStore
+    from hyflash.target import Target
+    from hyflash.train import TrainConfig, train_command, train_many
+
+    calls = []
+    real = online.sequence_outputs
+    monkeypatch.setattr(online, "sequence_outputs", lambda *a, **k: calls.append(1) or real(*a, **k))
+    drafter = dict(num_layers=1, block_size=3, window=4, hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8,
+                   intermediate_size=32, memory_heads=2, memory_head_dim=8, memory_state_dim=8,
+                   target_layers=list(target.feature_layers))
+    cfg = dict(drafter=drafter, data=str(sequences), online_topk=5, seq_len=32, anchors_per_seq=4, batch_seqs=2,
+               steps=4, val_fraction=0.3, val_sequences=2, ckpt_every=2, eval_every=2, bf16=False)
+    a = TrainConfig(**cfg, kl_weight=0.5)
+    b = TrainConfig(**{**cfg, "drafter": {**drafter, "variant": "swa"}}, lr=1e-3)
+
+    def store():  # keeps one item, so every read of a sequence in a batch is a forward
+        return OnlineFeatureStore(sequences, target, topk=5, keep=1)
+
+    alone = [train_many([c], [tmp_path / f"alone{k}"], target, store()) for k, c in enumerate((a, b))]
+    per_run = len(calls) // 2
+    calls.clear()
+    together = train_many([a, b], [tmp_path / "a", tmp_path / "b"], target, store())
+    assert per_run > 0 and len(calls) == per_run  # not 2 × per_run
+    for (one,), got in zip(alone, together):
+        assert all(torch.equal(v, got.state_dict()[k]) for k, v in one.state_dict().items())
+
+    recipes = []
+    for name, c in (("first", a), ("second", b)):
+        recipes.append(tmp_path / f"{name}.json")
+        recipes[-1].write_text(json.dumps({**c.to_dict(), "steps": 4}))
+    monkeypatch.setattr(Target, "load", classmethod(lambda cls, *args, **kw: target))
+    run = CliRunner().invoke
+    args = ["--recipe", str(recipes[0]), "--recipe", str(recipes[1]), "--out", str(tmp_path / "group")]
+    result = run(train_command, args + ["--stop-at", "2"], standalone_mode=False)
+    assert result.exception is None, result.output
+    assert not (tmp_path / "group" / "first" / "final").exists()
+    result = run(train_command, ["--export", "--out", str(tmp_path / "group")], standalone_mode=False)
+    assert result.exception is None and result.output.count("exported") == 2
+    assert (tmp_path / "group" / "second" / "final" / "model.safetensors").exists()
+    result = run(train_command, args + ["--init-from", str(tmp_path / "a" / "final")], standalone_mode=False)
+    assert "one per recipe" in str(result.exception)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on a GPU machine)")
 def test_training_on_a_gpu_with_online_features_learns(target, sequences, tmp_path):
     import copy

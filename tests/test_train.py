@@ -140,6 +140,70 @@ def test_no_resume_refuses_a_directory_with_checkpoints(target, store, tmp_path)
         train(cfg, tmp_path, target, store, resume=False)
 
 
+# ------------------------------------------------------------------------------- drafters trained together
+def _log(run_dir):
+    return [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()]
+
+
+def together_configs():
+    """Two recipes that share the batches but not the drafter, loss or optimiser (one with a draft vocabulary)."""
+    return [tiny_config(steps=6, ckpt_every=2, kl_weight=0.5, draft_vocab=12, init_from_target=True),
+            tiny_config(steps=6, ckpt_every=2, lr=1e-3, drafter={**DRAFTER, "variant": "full", "num_layers": 1})]
+
+
+def test_drafters_trained_together_match_drafters_trained_alone(target, store, tmp_path):
+    """One batch (one target forward, online) for several drafters: each ends with the weights and the log it gets
+    when trained alone, and its own final/ export."""
+    from hyflash.train import train_many
+
+    cfgs = together_configs()
+    together = train_many(cfgs, [tmp_path / "a", tmp_path / "b"], target, store)
+    for cfg, got, name in zip(cfgs, together, "ab"):
+        alone = params(train(cfg, tmp_path / f"alone-{name}", target, store))
+        assert all(torch.equal(alone[k], v) for k, v in params(got).items())
+        log, log_alone = _log(tmp_path / name), _log(tmp_path / f"alone-{name}")
+        assert [r["loss"] for r in log] == [r["loss"] for r in log_alone]
+        assert [r.get("val_tau") for r in log] == [r.get("val_tau") for r in log_alone]
+        assert all(r["drafters_sharing_batch"] == 2 and 0 <= r["data_s"] <= r["step_s"] for r in log)
+        assert (tmp_path / name / "final" / "model.safetensors").exists()
+    assert together[0].draft_vocab is not None and together[1].draft_vocab is None
+
+
+def test_drafters_trained_together_resume_from_their_last_common_checkpoint(target, store, tmp_path):
+    """Killed after step 4; one run's step-4 checkpoint is then lost (as if killed between the two saves): the group
+    resumes both from step 2 and reaches the uninterrupted weights. Runs with no common step are refused."""
+    from hyflash.train import train_many
+
+    cfgs = together_configs()
+    straight = [params(d) for d in train_many(cfgs, [tmp_path / "s1", tmp_path / "s2"], target, store)]
+    dirs = [tmp_path / "k1", tmp_path / "k2"]
+    train_many(cfgs, dirs, target, store, stop_at=4)
+    checkpoints(dirs[1])[-1].unlink()
+    assert [p.name for p in checkpoints(dirs[0])] == ["step_0000002.pt", "step_0000004.pt"]
+    resumed = [params(d) for d in train_many(cfgs, dirs, target, store)]
+    for want, got in zip(straight, resumed):
+        assert all(torch.equal(want[k], got[k]) for k in want)
+    assert [r["step"] for r in _log(dirs[1])] == [1, 2, 3, 4, 5, 6]
+    for c in checkpoints(dirs[1]):
+        c.unlink()
+    with pytest.raises(HyflashError, match="no checkpoint of a common step"):
+        train_many(cfgs, dirs, target, store)
+
+
+def test_recipes_that_would_read_different_batches_are_not_trained_together(target, store, tmp_path):
+    from hyflash.train import train_many
+
+    cfgs = together_configs()
+    for change in [dict(seed=1), dict(anchors_per_seq=4), dict(drafter={**DRAFTER, "target_layers": [1]})]:
+        other = TrainConfig.from_dict({**cfgs[1].to_dict(), **change})
+        field = "target_layers" if "drafter" in change else next(iter(change))
+        with pytest.raises(HyflashError, match=f"differ in .*{field}"):
+            train_many([cfgs[0], other], [tmp_path / "a", tmp_path / "b"], target, store)
+    with pytest.raises(HyflashError, match="same directory"):
+        train_many(cfgs, [tmp_path / "a", tmp_path / "a"], target, store)
+    assert not (tmp_path / "a").exists()  # refused before anything was written
+
+
 # ------------------------------------------------------------------------------------------- the export
 def test_final_checkpoint_drives_lossless_decoding(target, store, tmp_path):
     train(tiny_config(steps=4, init_from_target=True), tmp_path, target, store)

@@ -16,6 +16,9 @@ A run killed at any point resumes from its last checkpoint to the same weights a
 On a GPU: ``hyflash train --recipe smollm2-hyflash-gpu --data SEQUENCES.jsonl --device cuda --out runs/x`` computes
 the target's features as it goes (``hyflash.data.online``) instead of reading a cache; ``--set FIELD=VALUE``
 overrides any recipe field; ``--export`` writes ``final/`` from the latest checkpoint of a run stopped early.
+Several ``--recipe``s train side by side in one process (``train_many``): each batch — with an online store, the
+target's forward over it — is made once and every drafter takes its step on it, reaching the weights it would reach
+alone; the recipes must agree on what decides a batch (``SHARED_FIELDS``).
 """
 
 from __future__ import annotations
@@ -604,44 +607,54 @@ def validation_batches(store, val_idx, cfg: TrainConfig):
         yield make_batch(store, ids, cfg, np.random.default_rng([cfg.seed, 99, k]), with_topk=False)
 
 
-@torch.no_grad()
 def evaluate(drafter: HyFlashDrafter, store, val_idx, cfg: TrainConfig) -> dict:
     """Per-slot accuracy and τ̂ = 1 + mean over anchors of the longest all-correct prefix of argmax drafts, on the
     held-out sequences with fixed anchors, with its standard error over those anchors (``val_tau_se``). With a
     reduced draft vocabulary also ``val_tau_vocab_free``: τ̂ counting every target token outside the vocabulary as
     drafted right, an upper bound on τ̂ had the same drafter kept the full vocabulary."""
-    was_training = drafter.training
-    drafter.eval()
+    return evaluate_many([drafter], store, val_idx, cfg)[0]
+
+
+@torch.no_grad()
+def evaluate_many(drafters: list[HyFlashDrafter], store, val_idx, cfg: TrainConfig) -> list[dict]:
+    """``evaluate`` for each drafter on the same held-out batches, each batch made (and an online store's target
+    run) once for all of them."""
     S = cfg.drafter.block_size
-    correct, count, prefix, prefix_sq, anchors = torch.zeros(S), torch.zeros(S), 0.0, 0.0, 0  # sums on the CPU
-    prefix_free = 0.0
-    for b in validation_batches(store, val_idx, cfg):
-        if drafter.draft_vocab is not None:
-            b = to_draft_vocab(b, draft_index(drafter))
-        device = drafter.head_weight.device
-        b = on_device(b, device)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
-            logits = drafter.forward_train(b["features"], b["input_ids"], b["anchors"], prev_ids=b["prev_ids"])
-        hit = logits.argmax(-1) == b["targets"]
-        ok = hit & b["mask"]
-        correct += ok.sum((0, 1)).float().cpu()
-        count += b["mask"].sum((0, 1)).float().cpu()
-        real = b["mask"][..., 0]  # padded anchors have no supervised slot
-        accepted = all_correct_prefix(ok)[real].double()
-        prefix += float(accepted.sum())
-        prefix_sq += float((accepted ** 2).sum())
-        anchors += int(real.sum())
-        if drafter.draft_vocab is not None:  # as if every token outside the draft vocabulary had been drafted right
-            prefix_free += float(all_correct_prefix((hit | (b["targets"] < 0)) & b["mask"])[real].sum())
-    drafter.train(was_training)
-    acc = (correct / count.clamp_min(1)).tolist()
-    mean = prefix / max(anchors, 1)
-    se = math.sqrt(max(prefix_sq / max(anchors, 1) - mean ** 2, 0.0) / max(anchors - 1, 1))  # over anchors
-    out = {"val_acc": [round(a, 4) for a in acc], "val_tau": round(1 + mean, 4), "val_tau_se": round(se, 4),
-           "val_anchors": anchors}
-    if drafter.draft_vocab is not None:  # minus val_tau: at most what the reduced draft vocabulary costs this drafter
-        out["val_tau_vocab_free"] = round(1 + prefix_free / max(anchors, 1), 4)
-    return out
+    sums = [dict(correct=torch.zeros(S), count=torch.zeros(S), prefix=0.0, prefix_sq=0.0, anchors=0, free=0.0)
+            for _ in drafters]  # sums on the CPU
+    was_training = [d.training for d in drafters]
+    for d in drafters:
+        d.eval()
+    for batch in validation_batches(store, val_idx, cfg):
+        for drafter, acc in zip(drafters, sums):
+            b = to_draft_vocab(batch, draft_index(drafter)) if drafter.draft_vocab is not None else batch
+            device = drafter.head_weight.device
+            b = on_device(b, device)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
+                logits = drafter.forward_train(b["features"], b["input_ids"], b["anchors"], prev_ids=b["prev_ids"])
+            hit = logits.argmax(-1) == b["targets"]
+            ok = hit & b["mask"]
+            acc["correct"] += ok.sum((0, 1)).float().cpu()
+            acc["count"] += b["mask"].sum((0, 1)).float().cpu()
+            real = b["mask"][..., 0]  # padded anchors have no supervised slot
+            accepted = all_correct_prefix(ok)[real].double()
+            acc["prefix"] += float(accepted.sum())
+            acc["prefix_sq"] += float((accepted ** 2).sum())
+            acc["anchors"] += int(real.sum())
+            if drafter.draft_vocab is not None:  # as if every token outside the draft vocabulary was drafted right
+                acc["free"] += float(all_correct_prefix((hit | (b["targets"] < 0)) & b["mask"])[real].sum())
+    outs = []
+    for drafter, training, acc in zip(drafters, was_training, sums):
+        drafter.train(training)
+        n = max(acc["anchors"], 1)
+        mean = acc["prefix"] / n
+        se = math.sqrt(max(acc["prefix_sq"] / n - mean ** 2, 0.0) / max(acc["anchors"] - 1, 1))  # over anchors
+        out = {"val_acc": [round(a, 4) for a in (acc["correct"] / acc["count"].clamp_min(1)).tolist()],
+               "val_tau": round(1 + mean, 4), "val_tau_se": round(se, 4), "val_anchors": acc["anchors"]}
+        if drafter.draft_vocab is not None:  # minus val_tau: at most what the reduced draft vocabulary costs it
+            out["val_tau_vocab_free"] = round(1 + acc["free"] / n, 4)
+        outs.append(out)
+    return outs
 
 
 # ------------------------------------------------------------------------------------------- checkpoints
@@ -655,16 +668,22 @@ def checkpoints(out_dir: Path) -> list[Path]:
     return sorted((out_dir / CKPT_DIR).glob("step_*.pt"))
 
 
-def save_checkpoint(out_dir: Path, state: dict, keep: int) -> Path:
-    """Write checkpoints/step_NNNNNNN.pt atomically (temp file + rename) and keep only the last ``keep``."""
+def save_checkpoint(out_dir: Path, state: dict, keep: int | None) -> Path:
+    """Write checkpoints/step_NNNNNNN.pt atomically (temp file + rename) and keep only the last ``keep`` (None: drop
+    nothing yet, ``prune_checkpoints`` later)."""
     path = out_dir / CKPT_DIR / f"step_{state['step']:07d}.pt"
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     torch.save(state, tmp)
     tmp.replace(path)
+    if keep is not None:
+        prune_checkpoints(out_dir, keep)
+    return path
+
+
+def prune_checkpoints(out_dir: Path, keep: int) -> None:
     for old in checkpoints(out_dir)[:-keep]:
         old.unlink()
-    return path
 
 
 def rng_states() -> dict:
@@ -707,6 +726,116 @@ def all_sum(x: torch.Tensor) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------------- train
+# Recipes trained in one process read the same batches, so they must agree on everything that decides a batch and
+# the loop: the target (and the layers the drafter reads), the data, its split and order, crops, anchors and blocks.
+SHARED_FIELDS = ("target", "data", "online_topk", "seq_len", "anchors_per_seq", "batch_seqs", "val_fraction",
+                 "val_sequences", "follow_target_path", "kind_weights", "steps", "seed", "split_seed", "threads",
+                 "device", "ckpt_every")
+SHARED_DRAFTER_FIELDS = ("target_layers", "block_size")
+
+
+def check_shareable(cfgs: list[TrainConfig], names: list[str]) -> None:
+    """Raise HyflashError naming every field on which the recipes of one process disagree."""
+    ref = cfgs[0].to_dict()
+    bad = []
+    for cfg, name in zip(cfgs[1:], names[1:]):
+        d = cfg.to_dict()
+        bad += [f"{f}: {names[0]} {ref[f]!r} vs {name} {d[f]!r}" for f in SHARED_FIELDS if d[f] != ref[f]]
+        bad += [f"drafter.{f}: {names[0]} {ref['drafter'][f]!r} vs {name} {d['drafter'][f]!r}"
+                for f in SHARED_DRAFTER_FIELDS if d["drafter"][f] != ref["drafter"][f]]
+    if bad:
+        raise HyflashError("drafters trained in one process share every batch, so their recipes must agree on "
+                           + ", ".join(SHARED_FIELDS) + " and the drafter's " + ", ".join(SHARED_DRAFTER_FIELDS)
+                           + "; they differ in " + "; ".join(bad))
+
+
+class _Run:
+    """One drafter's training state: weights, optimiser, schedule, its output directory and log."""
+
+    def __init__(self, cfg: TrainConfig, out_dir: Path, target, store, train_idx, device, main: bool, world: int):
+        self.cfg, self.out_dir, self.main = cfg, out_dir, main
+        self.name = out_dir.name
+        self.found = {int(p.stem.split("_")[1]): p for p in checkpoints(out_dir)}
+        torch.manual_seed(cfg.seed)
+        dcfg = DrafterConfig.from_dict({**cfg.drafter.to_dict(), "draft_vocab_size": cfg.draft_vocab})
+        self.drafter = drafter = new_drafter(dcfg, target, dtype=torch.float32).to(device).train()
+        fresh = not self.found
+        if cfg.init_from and fresh:
+            copied = init_from_drafter(drafter, cfg.init_from, target)
+            self.say(f"started from the drafter in {cfg.init_from} ({len(copied)} tensors)")
+        elif cfg.draft_vocab and fresh:
+            drafter.set_draft_vocab(load_draft_vocab(cfg.draft_vocab_from, cfg.draft_vocab, target.vocab_size)
+                                    if cfg.draft_vocab_from else
+                                    draft_vocabulary(store, train_idx, cfg.draft_vocab, target.vocab_size))
+        if cfg.init_from_target and fresh and not cfg.init_from:
+            copied = init_from_target(drafter, target)
+            self.say(f"initialised {len(copied)} tensors from the target: {copied}")
+        self.model = BlockDrafting(drafter)
+        if world > 1:  # embed/head buffers are frozen
+            self.model = nn.parallel.DistributedDataParallel(self.model, broadcast_buffers=False)
+        self.opt = make_optimizer(drafter, cfg)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, partial(lr_factor, cfg=cfg))
+        self.weights = position_weights(cfg.drafter.block_size, cfg.gamma)
+        self.index_of = self._index()
+        self.log = None
+
+    def _index(self) -> torch.Tensor | None:
+        index_of = draft_index(self.drafter)  # batches reach train_step on the drafter's device
+        return None if index_of is None else index_of.to(self.drafter.head_weight.device)
+
+    def say(self, text: str) -> None:
+        if self.main:
+            print(f"hyflash: {text}", file=sys.stderr)
+
+    def resume(self, step: int) -> dict:
+        """Load the checkpoint of ``step`` (weights, optimiser, schedule); returns it (RNG states, data position)."""
+        ckpt = torch.load(self.found[step], map_location="cpu", weights_only=False)  # our own file (RNG states)
+        self.drafter.load_state_dict(ckpt["model"])
+        if self.drafter.draft_vocab is not None:
+            self.drafter.set_draft_vocab(self.drafter.draft_vocab.clone())
+        self.opt.load_state_dict(ckpt["optimizer"])
+        self.sched.load_state_dict(ckpt["scheduler"])
+        self.index_of = self._index()  # the checkpoint's draft vocabulary
+        self.say(f"resuming {self.out_dir} at step {step}")
+        return ckpt
+
+    def start_log(self, step: int, n_train: int, n_val: int, world: int) -> None:
+        if not self.main:
+            return
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.cfg.save(self.out_dir / CONFIG_NAME)
+        _truncate_log(self.out_dir / LOG_NAME, step)
+        self.say(f"{self.cfg.drafter.variant} drafter, {self.drafter.num_parameters():,} trainable parameters; "
+                 f"{n_train} train / {n_val} val sequences; {world} process(es) [{self.out_dir}]")
+        self.log = open(self.out_dir / LOG_NAME, "a")
+
+    def train_step(self, b: dict, world: int) -> tuple[torch.Tensor, float, float]:
+        """One optimiser step on batch ``b``; returns (mean loss, slot correct, slot counts, anchors) summed over
+        processes, the pre-clip gradient norm and the learning rate used."""
+        cfg = self.cfg
+        if self.drafter.draft_vocab is not None:
+            b = to_draft_vocab(b, self.index_of)
+        b = on_device(b, self.drafter.head_weight.device)
+        with torch.autocast(b["features"].device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
+            logits = self.model(b["features"], b["input_ids"], b["anchors"], b["prev_ids"])  # [B, n, S, V]
+        loss, correct, count = block_loss(logits, b["targets"], b["mask"], self.weights, cfg.kl_weight,
+                                          b["topk_vals"], b["topk_ids"], cfg.distill, b.get("loss_mask"))
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.grad_clip)
+        lr = self.opt.param_groups[0]["lr"]
+        self.opt.step()
+        self.sched.step()
+        stats = all_sum(torch.cat([loss.detach()[None] / world, correct.float(), count.float(),
+                                   b["mask"][..., 0].sum()[None].float()]))  # mean loss, slot counts, anchors
+        return stats, float(grad_norm), lr
+
+    def checkpoint(self, state: dict) -> None:
+        save_checkpoint(self.out_dir, {**state, "model": self.drafter.state_dict(),
+                                       "optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict(),
+                                       "config": self.cfg.to_dict()}, keep=None)
+
+
 def train(cfg: TrainConfig, out_dir, target=None, store=None, resume: bool = True,
           stop_at: int | None = None) -> HyFlashDrafter:
     """Train a drafter for ``cfg.steps`` steps into ``out_dir`` (config, log.jsonl, checkpoints/, final/, loss.png).
@@ -714,16 +843,33 @@ def train(cfg: TrainConfig, out_dir, target=None, store=None, resume: bool = Tru
     ``target``/``store`` default to ``Target.load(cfg.target)`` and the feature store at ``cfg.data``. With
     ``resume`` a run continues from its latest checkpoint. ``stop_at`` ends the run after that step (checkpointed) as if it were
     killed there (no final export). Returns the drafter (fp32)."""
-    out_dir = Path(out_dir)
+    return train_many([cfg], [out_dir], target, store, resume, stop_at)[0]
+
+
+def train_many(cfgs: list[TrainConfig], out_dirs: list, target=None, store=None, resume: bool = True,
+               stop_at: int | None = None) -> list[HyFlashDrafter]:
+    """Train several drafters in one process on the same batches: each batch (with an online store, the target's
+    forward over its sequences) is made once and every drafter takes its step on it. Each drafter trains exactly as
+    ``train`` would train it alone (the same weights, bit for bit) into its own directory. The recipes must agree on
+    ``SHARED_FIELDS`` (``check_shareable``); they may differ in the drafter, the optimiser and the loss. A killed
+    group resumes from the last step every run has a checkpoint of."""
+    out_dirs = [Path(d) for d in out_dirs]
+    if len(cfgs) != len(out_dirs) or not cfgs:
+        raise HyflashError("train_many needs one output directory per recipe")
+    if len({d.resolve() for d in out_dirs}) < len(out_dirs):
+        raise HyflashError(f"two recipes would train into the same directory: {[str(d) for d in out_dirs]}")
+    check_shareable(cfgs, [d.name for d in out_dirs])
+    cfg = cfgs[0]  # what decides the batches, the same for all
     rank, world = setup_distributed()
     main = rank == 0
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    found = checkpoints(out_dir)
-    if found and not resume:
-        raise HyflashError(f"{out_dir} already holds checkpoints; resume it or choose another output directory")
+    if not resume:
+        for d in out_dirs:
+            if checkpoints(d):
+                raise HyflashError(f"{d} already holds checkpoints; resume it or choose another output directory")
 
-    # ---- data, target, model, optimiser
+    # ---- data, target, models, optimisers
     device = resolve_device(cfg.device)
     if world > 1 and device.type == "cuda":
         raise HyflashError("multi-process training runs on CPUs (gloo); use one process per machine with a GPU")
@@ -735,114 +881,84 @@ def train(cfg: TrainConfig, out_dir, target=None, store=None, resume: bool = Tru
     check_store(store, target, cfg)
     train_idx, val_idx = split_store(store, cfg)
     order_idx = weighted_indices(store, train_idx, cfg.kind_weights)
-    torch.manual_seed(cfg.seed)
-    dcfg = DrafterConfig.from_dict({**cfg.drafter.to_dict(), "draft_vocab_size": cfg.draft_vocab})
-    drafter = new_drafter(dcfg, target, dtype=torch.float32).to(device).train()
-    if cfg.init_from and not found:
-        copied = init_from_drafter(drafter, cfg.init_from, target)
-        if main:
-            print(f"hyflash: started from the drafter in {cfg.init_from} ({len(copied)} tensors)", file=sys.stderr)
-    elif cfg.draft_vocab and not found:
-        drafter.set_draft_vocab(load_draft_vocab(cfg.draft_vocab_from, cfg.draft_vocab, target.vocab_size)
-                                if cfg.draft_vocab_from else
-                                draft_vocabulary(store, train_idx, cfg.draft_vocab, target.vocab_size))
-    if cfg.init_from_target and not found and not cfg.init_from:
-        copied = init_from_target(drafter, target)
-        if main:
-            print(f"hyflash: initialised {len(copied)} tensors from the target: {copied}", file=sys.stderr)
-    model = BlockDrafting(drafter)
-    if world > 1:
-        model = nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)  # embed/head buffers are frozen
-    opt = make_optimizer(drafter, cfg)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, partial(lr_factor, cfg=cfg))
-    weights = position_weights(cfg.drafter.block_size, cfg.gamma)
+    runs = [_Run(c, d, target, store, train_idx, device, main, world) for c, d in zip(cfgs, out_dirs)]
     step, position, elapsed_before = 0, 0, 0.0
-    if found:  # resume exactly: weights, optimiser, schedule, RNG, place in the data order
-        ckpt = torch.load(found[-1], map_location="cpu", weights_only=False)  # our own file (holds RNG states)
-        drafter.load_state_dict(ckpt["model"])
-        if drafter.draft_vocab is not None:
-            drafter.set_draft_vocab(drafter.draft_vocab.clone())
-        opt.load_state_dict(ckpt["optimizer"])
-        sched.load_state_dict(ckpt["scheduler"])
+    if any(r.found for r in runs):  # resume exactly: weights, optimiser, schedule, RNG, place in the data order
+        common = set.intersection(*(set(r.found) for r in runs))
+        if not common:
+            raise HyflashError("these runs have no checkpoint of a common step to resume from: "
+                               + "; ".join(f"{r.out_dir}: steps {sorted(r.found) or 'none'}" for r in runs)
+                               + ". Resume them one at a time to the same step (--stop-at), then together")
+        step = max(common)
+        ckpt = [r.resume(step) for r in runs][0]
         set_rng_states(ckpt["rng"])
-        step, position, elapsed_before = ckpt["step"], ckpt["data_position"], ckpt["elapsed"]
-        if main:
-            print(f"hyflash: resuming {out_dir} at step {step}", file=sys.stderr)
-    index_of = draft_index(drafter)  # after a resume: the draft vocabulary is the checkpoint's
-    if main:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        cfg.save(out_dir / CONFIG_NAME)
-        _truncate_log(out_dir / LOG_NAME, step)
-        print(f"hyflash: {cfg.drafter.variant} drafter, {drafter.num_parameters():,} trainable parameters; "
-              f"{len(train_idx)} train / {len(val_idx)} val sequences; {world} process(es)", file=sys.stderr)
+        position, elapsed_before = ckpt["data_position"], ckpt["elapsed"]
+    for r in runs:
+        r.start_log(step, len(train_idx), len(val_idx), world)
 
     # ---- the loop
     from tqdm import tqdm
 
     t0 = time.perf_counter()
     bar = tqdm(total=cfg.steps, initial=step, disable=not main, dynamic_ncols=True)
-    log = open(out_dir / LOG_NAME, "a") if main else None
+    S = cfg.drafter.block_size
     while step < cfg.steps:
         t_step = time.perf_counter()
         rng = np.random.default_rng([cfg.seed, step, rank])  # crops and anchors: a function of (seed, step, rank)
         ids = sequence_ids(order_idx, cfg.seed, position + rank * cfg.batch_seqs, cfg.batch_seqs)
-        b = make_batch(store, ids, cfg, rng, with_topk=cfg.kl_weight > 0)
-        if drafter.draft_vocab is not None:
-            b = to_draft_vocab(b, index_of)
-        b = on_device(b, device)
+        b = on_device(make_batch(store, ids, cfg, rng, with_topk=any(c.kl_weight > 0 for c in cfgs)), device)
         t_data = _clock(device) - t_step  # the batch: the store (an online target's forward too) and the copy
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
-            logits = model(b["features"], b["input_ids"], b["anchors"], b["prev_ids"])  # [B, n, S, V]
-        loss, correct, count = block_loss(logits, b["targets"], b["mask"], weights, cfg.kl_weight,
-                                          b["topk_vals"], b["topk_ids"], cfg.distill, b.get("loss_mask"))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
-        lr = opt.param_groups[0]["lr"]
-        opt.step()
-        sched.step()
         step, position = step + 1, position + world * cfg.batch_seqs
-
-        stats = all_sum(torch.cat([loss.detach()[None] / world, correct.float(), count.float(),
-                                   b["mask"][..., 0].sum()[None].float()]))  # mean loss, slot counts, anchors
-        S = cfg.drafter.block_size
-        acc = (stats[1:1 + S] / stats[1 + S:1 + 2 * S].clamp_min(1)).tolist()
+        recs = []
+        for r in runs:
+            t_run = _clock(device)
+            stats, grad_norm, lr = r.train_step(b, world)
+            acc = (stats[1:1 + S] / stats[1 + S:1 + 2 * S].clamp_min(1)).tolist()
+            step_s = t_data + _clock(device) - t_run  # what the step costs this drafter: the batch and its own work
+            recs.append({"step": step, "loss": round(stats[0].item(), 5), "acc": [round(a, 4) for a in acc],
+                         "lr": lr, "grad_norm": round(grad_norm, 4),
+                         "anchors_per_s": round(stats[-1].item() / step_s, 1), "data_s": round(t_data, 4),
+                         "step_s": round(step_s, 4)} | ({"drafters_sharing_batch": len(runs)} if len(runs) > 1 else {}))
+        due = [k for k, r in enumerate(runs) if step % r.cfg.eval_every == 0 or step == cfg.steps]
+        if main and due and len(val_idx):
+            for k, res in zip(due, evaluate_many([runs[k].drafter for k in due], store, val_idx, cfg)):
+                recs[k].update(res)
+            if isinstance(store, MixedStore):  # each part's held-out τ̂ on its own (part 0: the earlier stages')
+                parts = [evaluate_many([runs[k].drafter for k in due], store, v, cfg) if len(v) else None
+                         for v in part_indices(store, val_idx)]
+                for j, k in enumerate(due):
+                    recs[k]["val_tau_parts"] = [p[j]["val_tau"] if p else None for p in parts]
         if main:
-            elapsed = elapsed_before + time.perf_counter() - t0
-            rec = {"step": step, "loss": round(stats[0].item(), 5), "acc": [round(a, 4) for a in acc],
-                   "lr": lr, "grad_norm": round(float(grad_norm), 4),
-                   "anchors_per_s": round(stats[-1].item() / (time.perf_counter() - t_step), 1),
-                   "data_s": round(t_data, 4), "step_s": round(time.perf_counter() - t_step, 4),
-                   "elapsed": round(elapsed, 2)}
-            if step % cfg.eval_every == 0 or step == cfg.steps:
-                if len(val_idx):
-                    rec.update(evaluate(drafter, store, val_idx, cfg))
-                if isinstance(store, MixedStore):  # each part's held-out τ̂ on its own (part 0: the earlier stages')
-                    rec["val_tau_parts"] = [evaluate(drafter, store, v, cfg)["val_tau"] if len(v) else None
-                                            for v in part_indices(store, val_idx)]
-            log.write(json.dumps(rec) + "\n")
-            log.flush()
-            bar.set_postfix_str(f"loss {rec['loss']:.3f} acc " + " ".join(f"{a * 100:.0f}" for a in acc)
-                                + (f" | val τ̂ {rec['val_tau']:.2f}" if "val_tau" in rec else ""))
+            elapsed = elapsed_before + time.perf_counter() - t0  # this process's time (shared by its drafters)
+            for r, rec in zip(runs, recs):
+                rec["elapsed"] = round(elapsed, 2)
+                r.log.write(json.dumps(rec) + "\n")
+                r.log.flush()
+            bar.set_postfix_str(" | ".join(
+                (f"{r.name} " if len(runs) > 1 else "") + f"loss {rec['loss']:.3f} acc "
+                + " ".join(f"{a * 100:.0f}" for a in rec["acc"])
+                + (f" val τ̂ {rec['val_tau']:.2f}" if "val_tau" in rec else "") for r, rec in zip(runs, recs)))
             bar.update(1)
             if step % cfg.ckpt_every == 0 or step == cfg.steps or step == stop_at:
-                save_checkpoint(out_dir, {
-                    "step": step, "data_position": position, "elapsed": elapsed, "model": drafter.state_dict(),
-                    "optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "rng": rng_states(),
-                    "config": cfg.to_dict()}, cfg.keep_checkpoints)
+                state = {"step": step, "data_position": position, "elapsed": elapsed, "rng": rng_states()}
+                for r in runs:  # every run's new checkpoint is on disk before any run drops an old one
+                    r.checkpoint(state)
+                for r in runs:
+                    prune_checkpoints(r.out_dir, r.cfg.keep_checkpoints)
         if stop_at is not None and step >= stop_at:
             break
     bar.close()
 
     # ---- export
     if main:
-        log.close()
-        if step >= cfg.steps:
-            save_pretrained(drafter, out_dir / "final", dtype=torch.bfloat16)
-            plot_losses(out_dir)
+        for r in runs:
+            r.log.close()
+            if step >= cfg.steps:
+                save_pretrained(r.drafter, r.out_dir / "final", dtype=torch.bfloat16)
+                plot_losses(r.out_dir)
     if dist.is_initialized():
         dist.barrier()
-    return drafter
+    return [r.drafter for r in runs]
 
 
 def export_latest(out_dir, target=None) -> Path:
@@ -900,15 +1016,19 @@ def plot_losses(out_dir) -> Path | None:
 
 # ---------------------------------------------------------------------------------------------------- CLI
 @click.command("train")
-@click.option("--recipe", "--config", "recipe", default=None,
-              help="Recipe name (e.g. smollm2-hyflash) or path to a TrainConfig JSON.")
-@click.option("--out", required=True, type=click.Path(file_okay=False), help="Output directory.")
+@click.option("--recipe", "--config", "recipes", multiple=True,
+              help="Recipe name (e.g. smollm2-hyflash) or path to a TrainConfig JSON. Given more than once: the "
+                   "drafters train side by side in one process on the same batches (one target forward per batch "
+                   "with an online store), each into --out/<recipe name>.")
+@click.option("--out", required=True, type=click.Path(file_okay=False),
+              help="Output directory (with several recipes: the directory that holds one per recipe).")
 @click.option("--steps", type=int, default=None, help="Override the recipe's number of steps.")
 @click.option("--data", multiple=True,
               help="Override the recipe's data: a feature store directory, or a sequences JSONL (features computed "
                    "online by the target: for GPUs). Given more than once: a mixture of them.")
-@click.option("--init-from", default=None, type=click.Path(file_okay=False),
-              help="Override the recipe's init_from: a saved drafter to continue training from.")
+@click.option("--init-from", multiple=True, type=click.Path(file_okay=False),
+              help="Override the recipe's init_from: a saved drafter to continue training from (with several "
+                   "recipes: one per recipe, in their order).")
 @click.option("--threads", type=int, default=None, help="Override the recipe's torch CPU threads per process.")
 @click.option("--device", default=None,
               help="Override the recipe's device: cpu, cuda, cuda:N or auto (a GPU if there is one).")
@@ -920,28 +1040,41 @@ def plot_losses(out_dir) -> Path | None:
 @click.option("--stop-at", type=int, default=None,
               help="Stop after this step as if killed (a checkpoint is written there; rerun without it to go on).")
 @click.option("--export", "export_only", is_flag=True,
-              help="Train nothing: write --out/final from the run's latest checkpoint (a run stopped early).")
-def train_command(recipe, out, steps, data, init_from, threads, device, overrides, resume, stop_at, export_only):
-    """Train a drafter from a recipe; resumable; several processes under torchrun."""
+              help="Train nothing: write --out/final from the run's latest checkpoint (a run stopped early); for a "
+                   "directory of runs trained together, each run's.")
+def train_command(recipes, out, steps, data, init_from, threads, device, overrides, resume, stop_at, export_only):
+    """Train a drafter from a recipe (or several side by side); resumable; several processes under torchrun."""
     if export_only:
-        click.echo(f"exported {export_latest(out)}")
+        runs = [Path(out)] if checkpoints(Path(out)) or not Path(out).is_dir() else \
+            sorted(d for d in Path(out).iterdir() if d.is_dir() and checkpoints(d))
+        for run in runs or [Path(out)]:
+            click.echo(f"exported {export_latest(run)}")
         return
-    if recipe is None:
+    if not recipes:
         raise click.UsageError("--recipe is required (except with --export)")
-    cfg = apply_overrides(load_recipe(recipe), overrides)
-    if steps is not None:
-        cfg.steps = steps
-    if data:
-        cfg.data = data[0] if len(data) == 1 else list(data)
-    if init_from is not None:
-        cfg.init_from = init_from
-    if threads is not None:
-        cfg.threads = threads
-    if device is not None:
-        cfg.device = device
+    names = [Path(r).stem for r in recipes]
+    if len(set(names)) < len(names):
+        raise click.UsageError(f"a recipe is named twice: {list(recipes)}")
+    if len(init_from) not in (0, len(recipes)):
+        raise click.UsageError(f"--init-from: give one per recipe ({len(recipes)}), not {len(init_from)}")
     if stop_at is not None and stop_at < 1:
         raise click.UsageError("--stop-at must be >= 1")
-    train(cfg, out, resume=resume, stop_at=stop_at)
+    cfgs = []
+    for k, recipe in enumerate(recipes):
+        cfg = apply_overrides(load_recipe(recipe), overrides)
+        if steps is not None:
+            cfg.steps = steps
+        if data:
+            cfg.data = data[0] if len(data) == 1 else list(data)
+        if init_from:
+            cfg.init_from = init_from[k]
+        if threads is not None:
+            cfg.threads = threads
+        if device is not None:
+            cfg.device = device
+        cfgs.append(cfg)
+    out_dirs = [Path(out)] if len(cfgs) == 1 else [Path(out) / name for name in names]
+    train_many(cfgs, out_dirs, resume=resume, stop_at=stop_at)
 
 
 if __name__ == "__main__":
