@@ -138,6 +138,7 @@ PY
 )
 EVAL=$(( STEPS / 3 > 0 ? STEPS / 3 : 1 ))
 LEFT=$(( BUDGET - ($(date +%s) - START) - 25 ))
+if [ "$LEFT" -lt 60 ]; then echo "the probe left ${LEFT} s of the budget; training for 60 s anyway"; LEFT=60; fi
 rm -rf /tmp/run
 CMD="python3 -m hyflash.train $COMMON --steps $STEPS --set eval_every=$EVAL --out /tmp/run"
 echo $CMD | tee /tmp/run.command.txt

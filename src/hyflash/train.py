@@ -934,9 +934,9 @@ def train_many(cfgs: list[TrainConfig], out_dirs: list, target=None, store=None,
                 rec["elapsed"] = round(elapsed, 2)
                 r.log.write(json.dumps(rec) + "\n")
                 r.log.flush()
-            bar.set_postfix_str(" | ".join(
-                (f"{r.name} " if len(runs) > 1 else "") + f"loss {rec['loss']:.3f} acc "
-                + " ".join(f"{a * 100:.0f}" for a in rec["acc"])
+            bar.set_postfix_str(" | ".join(  # several drafters: each one's loss (and τ̂) only
+                (f"{r.name} loss {rec['loss']:.3f}" if len(runs) > 1 else f"loss {rec['loss']:.3f} acc "
+                 + " ".join(f"{a * 100:.0f}" for a in rec["acc"]))
                 + (f" val τ̂ {rec['val_tau']:.2f}" if "val_tau" in rec else "") for r, rec in zip(runs, recs)))
             bar.update(1)
             if step % cfg.ckpt_every == 0 or step == cfg.steps or step == stop_at:
