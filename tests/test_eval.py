@@ -3,6 +3,7 @@
 
 import json
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -63,7 +64,8 @@ def synthetic_hotpot(n=30, seed=0):
     for i in range(n):
         paras = [[f"Title {i}-{j}", " ".join(rng.choice(words) for _ in range(rng.randint(20, 60))) + "."]
                  for j in range(3)]
-        recs.append({"id": f"hotpotqa/{i}", "paragraphs": paras, "question": f"Question number {i}?"})
+        recs.append({"id": f"hotpotqa/{i}", "paragraphs": paras, "question": f"Question number {i}?",
+                     "answer": f"answer {i}"})
     return recs
 
 
@@ -327,7 +329,12 @@ def test_a_base_model_gets_plain_prompts_that_still_fall_inside_their_bucket(smo
         text = t.decode(item.prompt_ids)
         assert 512 <= len(item.prompt_ids) < 1024
         assert "<|im_start|>" not in t.tokenizer.decode(item.prompt_ids)  # no chat template
-        assert text.startswith("Passage 1:") and text.endswith("Answer:\n\n")
+        assert text.startswith("Passage 1:") and text.endswith("Answer:")  # it answers from here
+        # two other questions answered first (a base model otherwise repeats the question block)
+        demos = re.findall(r"Question: Question number (\d+)\?\nAnswer: answer (\d+)\n\n", text)
+        own = item.meta["source"].split("/")[1]
+        assert len(demos) == 2 and all(q == a != own for q, a in demos)
+        assert text.endswith(f"Question: Question number {own}?\nAnswer:") and item.meta["demos"] == 2
 
 
 def test_training_report_counts_parameters_at_the_targets_width():

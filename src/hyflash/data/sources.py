@@ -414,10 +414,12 @@ def read_writingbench(path: Path) -> Iterator[dict]:
                    "domain": [q.get("domain1"), q.get("domain2")], "checklist": q.get("checklist")}
 
 
-def hotpotqa_prompt(paragraphs: list[list[str]], question: str) -> str:
-    """Passages, then the question (LongBench-style order)."""
+def hotpotqa_prompt(paragraphs: list[list[str]], question: str, demos=()) -> str:
+    """Passages, then the question (LongBench-style order). ``demos``: (question, answer) pairs answered before it,
+    which show a base model (no chat template) the short-answer form it is asked for."""
     body = "\n\n".join(f"Passage {i}: {title}\n{text}" for i, (title, text) in enumerate(paragraphs, 1))
-    return f"{body}\n\nQuestion: {question}\nAnswer:"
+    shots = "".join(f"Question: {q}\nAnswer: {a}\n\n" for q, a in demos)
+    return f"{body}\n\n{shots}Question: {question}\nAnswer:"
 
 
 def read_hotpotqa(path: Path) -> Iterator[dict]:

@@ -7,7 +7,8 @@ first answer), ``humaneval``, ``gsm8k`` (the first N), ``math`` (MATH500 subset 
 Long-context suites, in buckets of prompt length (target tokens, chat template included):
 
 - ``hotpotqa``: LongBench-style HotpotQA — the question's gold and distractor paragraphs, padded with other
-  questions' paragraphs (seeded choice and order) until the prompt falls inside the bucket.
+  questions' paragraphs (seeded choice and order) until the prompt falls inside the bucket; for a base model two
+  other questions, answered, come before its own (``hotpotqa_item``).
 - ``reports``: one AA-LCR report bundle cut to the bucket, then its question (GovReport/QASPER stand-in).
 - ``longcode``: Python source of an installed library that is not in our training data (the ``transformers``
   package), cut to the bucket; plain continuation, no chat template.
@@ -118,28 +119,45 @@ def second_turn_ids(target, first_turn: dict, first_answer: str) -> list[int]:
 
 
 # -------------------------------------------------------------------------------------------- long suites
+HOTPOTQA_BASE_DEMOS = 2  # answered questions before a base model's own
+
+
 def _fits(n: int, lo: int, hi: int) -> bool:
     return lo <= n < hi
 
 
 def hotpotqa_item(target, rec: dict, others: list[dict], bucket: str, seed: int) -> EvalItem | None:
-    """The question's own paragraphs plus other questions' paragraphs until the prompt is inside the bucket."""
+    """The question's own paragraphs plus other questions' paragraphs until the prompt is inside the bucket.
+
+    A base model (no chat template) given the zero-shot prompt tends to repeat the question block instead of
+    answering (Gemma 3 270M did, the same continuation in every bucket), so its prompt ends with two other questions
+    answered (``HOTPOTQA_BASE_DEMOS``, their gold answers) and then "Answer:" with no blank line after it."""
     from hyflash.data.sources import hotpotqa_prompt
 
     lo, hi = parse_bucket(bucket)
     rng = random.Random(f"{seed}/{rec['id']}/{bucket}")
+    base = not getattr(target, "has_chat_template", True)
+    demos = []
+    if base:
+        answered = [o for o in others if o["id"] != rec["id"] and o.get("answer")]
+        demos = [(o["question"], o["answer"]) for o in rng.sample(answered, min(HOTPOTQA_BASE_DEMOS, len(answered)))]
+
+    def encode(paragraphs):
+        text = hotpotqa_prompt(paragraphs, rec["question"], demos)
+        return target.encode(text, chat=False) if base else _chat(target, text)
+
     own = [list(p) for p in rec["paragraphs"]]
     pool = [list(p) for o in others if o["id"] != rec["id"] for p in o["paragraphs"]]
     rng.shuffle(pool)
     paragraphs = list(own)
-    ids = _chat(target, hotpotqa_prompt(paragraphs, rec["question"]))
+    ids = encode(paragraphs)
     if len(ids) >= hi:
         return None
     for p in pool:
         if len(ids) >= lo:
             break
         trial = paragraphs + [p]
-        trial_ids = _chat(target, hotpotqa_prompt(trial, rec["question"]))
+        trial_ids = encode(trial)
         if len(trial_ids) >= hi:
             continue  # this paragraph overshoots the bucket: try a shorter one
         paragraphs, ids = trial, trial_ids
@@ -148,9 +166,9 @@ def hotpotqa_item(target, rec: dict, others: list[dict], bucket: str, seed: int)
     order = list(range(len(paragraphs)))  # gold paragraphs end up anywhere in the prompt
     rng.shuffle(order)
     paragraphs = [paragraphs[i] for i in order]
-    ids = _chat(target, hotpotqa_prompt(paragraphs, rec["question"]))
+    ids = encode(paragraphs)
     return EvalItem(f"hotpotqa/{bucket}/{rec['id']}", "hotpotqa", bucket, ids,
-                    {"source": rec["id"], "paragraphs": len(paragraphs), "gold": len(own)})
+                    {"source": rec["id"], "paragraphs": len(paragraphs), "gold": len(own), "demos": len(demos)})
 
 
 def _cut_to(target, text: str, n_tokens: int) -> str:
