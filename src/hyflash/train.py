@@ -752,7 +752,8 @@ def check_shareable(cfgs: list[TrainConfig], names: list[str]) -> None:
 class _Run:
     """One drafter's training state: weights, optimiser, schedule, its output directory and log."""
 
-    def __init__(self, cfg: TrainConfig, out_dir: Path, target, store, train_idx, device, main: bool, world: int):
+    def __init__(self, cfg: TrainConfig, out_dir: Path, target, store, train_idx, device, main: bool, world: int,
+                 vocabularies: dict):
         self.cfg, self.out_dir, self.main = cfg, out_dir, main
         self.name = out_dir.name
         self.found = {int(p.stem.split("_")[1]): p for p in checkpoints(out_dir)}
@@ -764,9 +765,13 @@ class _Run:
             copied = init_from_drafter(drafter, cfg.init_from, target)
             self.say(f"started from the drafter in {cfg.init_from} ({len(copied)} tensors)")
         elif cfg.draft_vocab and fresh:
-            drafter.set_draft_vocab(load_draft_vocab(cfg.draft_vocab_from, cfg.draft_vocab, target.vocab_size)
-                                    if cfg.draft_vocab_from else
-                                    draft_vocabulary(store, train_idx, cfg.draft_vocab, target.vocab_size))
+            if cfg.draft_vocab_from:
+                drafter.set_draft_vocab(load_draft_vocab(cfg.draft_vocab_from, cfg.draft_vocab, target.vocab_size))
+            else:  # counted once for every drafter of the process that wants this size
+                if cfg.draft_vocab not in vocabularies:
+                    vocabularies[cfg.draft_vocab] = draft_vocabulary(store, train_idx, cfg.draft_vocab,
+                                                                     target.vocab_size)
+                drafter.set_draft_vocab(vocabularies[cfg.draft_vocab])
         if cfg.init_from_target and fresh and not cfg.init_from:
             copied = init_from_target(drafter, target)
             self.say(f"initialised {len(copied)} tensors from the target: {copied}")
@@ -881,7 +886,8 @@ def train_many(cfgs: list[TrainConfig], out_dirs: list, target=None, store=None,
     check_store(store, target, cfg)
     train_idx, val_idx = split_store(store, cfg)
     order_idx = weighted_indices(store, train_idx, cfg.kind_weights)
-    runs = [_Run(c, d, target, store, train_idx, device, main, world) for c, d in zip(cfgs, out_dirs)]
+    vocabularies = {}  # draft vocabulary size -> the training labels' most frequent tokens
+    runs = [_Run(c, d, target, store, train_idx, device, main, world, vocabularies) for c, d in zip(cfgs, out_dirs)]
     step, position, elapsed_before = 0, 0, 0.0
     if any(r.found for r in runs):  # resume exactly: weights, optimiser, schedule, RNG, place in the data order
         common = set.intersection(*(set(r.found) for r in runs))
