@@ -547,3 +547,19 @@ def test_gemma3_gpu_recipes_differ_in_the_drafter_only_and_keep_the_cpu_held_out
                (cpu.split_seed, cpu.val_fraction, cpu.val_sequences, cpu.draft_vocab, cpu.seq_len)
         assert gpu[v].data[0].endswith("part0.jsonl") and gpu[v].init_from_target and not gpu[v].init_from
     assert len({json.dumps({**vars(c), "drafter": None, "_comment": None}, sort_keys=True) for c in gpu.values()}) == 1
+
+
+def test_gemma3_gpu_ablation_recipes_change_one_drafter_field_and_train_side_by_side_with_the_others():
+    """mem512, depth1, depth3 and gdn are gemma3-hyflash-gpu with one drafter field changed; all eight GPU recipes
+    agree on what decides a batch, so one process trains them together (check_shareable)."""
+    from hyflash.train import check_shareable
+
+    hyflash = load_recipe("gemma3-hyflash-gpu")
+    changes = {"mem512": {"memory_limit": 512}, "depth1": {"num_layers": 1}, "depth3": {"num_layers": 3},
+               "gdn": {"memory": "gdn"}}
+    for v, change in changes.items():
+        cfg = load_recipe(f"gemma3-{v}-gpu")
+        assert cfg.drafter.to_dict() == {**hyflash.drafter.to_dict(), **change}
+        assert {**vars(cfg), "drafter": None} == {**vars(hyflash), "drafter": None}
+    names = ["hyflash", "full", "swa", "noslot", *changes]
+    check_shareable([load_recipe(f"gemma3-{v}-gpu") for v in names], names)  # raises if they could not share
