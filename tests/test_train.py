@@ -410,6 +410,16 @@ def test_gemma3_mem512_ablation_differs_from_hyflash_in_the_memory_limit_only():
     assert {**vars(limited), "drafter": None, "_comment": None} == {**vars(plain), "drafter": None, "_comment": None}
 
 
+@pytest.mark.parametrize("name, change", [("gdn", {"memory": "gdn"}), ("depth1", {"num_layers": 1})])
+def test_gemma3_memory_and_depth_ablations_differ_from_hyflash_in_one_drafter_field(name, change):
+    from hyflash.train import check_shareable
+
+    plain, other = load_recipe("gemma3-hyflash"), load_recipe(f"gemma3-hyflash-{name}")
+    assert other.drafter.to_dict() == {**plain.drafter.to_dict(), **change}
+    assert {**vars(other), "drafter": None} == {**vars(plain), "drafter": None}
+    check_shareable([plain, other], ["hyflash", name])  # one process may train them together
+
+
 def test_gemma3_noslot_ablation_differs_from_hyflash_in_slot_attention_only():
     plain, noslot = load_recipe("gemma3-hyflash"), load_recipe("gemma3-hyflash-noslot")
     assert plain.drafter.slot_attention and not noslot.drafter.slot_attention
