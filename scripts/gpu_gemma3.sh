@@ -64,6 +64,14 @@ pack() {  # pack RESULTS_DIR NAME RUN: each variant's run in /tmp/RUN/ into RESU
   ls -la "$results" "$OUT_DIR"
 }
 
+train_for() {  # train_for RUN SECONDS STEPS COMMAND...: /tmp/RUN.{command.txt,log}; a run stopped by the time limit
+  local run=/tmp/$1 seconds=$2 steps=$3; shift 3  # is exported from its latest checkpoints
+  echo "$@" | tee "$run.command.txt"
+  timeout "$seconds" "$@" > "$run.log" 2>&1 \
+    || { echo "stopped before step $steps; exporting the latest checkpoints" | tee -a "$run.command.txt"
+         python3 -m hyflash.train --export --out "$run" >> "$run.log" 2>&1 || echo "nothing to export"; }
+}
+
 recipes() {  # --recipe gemma3-V-gpu for every variant: one process trains them all
   for v in "${VARIANTS[@]}"; do echo --recipe "gemma3-$v-gpu"; done
 }
@@ -73,13 +81,9 @@ if [ "$MODE" = continue ]; then  # the train call's target, data and drafters ar
   START=$(date +%s)
   rm -rf /tmp/s2
   INIT=$(for v in "${VARIANTS[@]}"; do echo --init-from "/tmp/run/gemma3-$v-gpu/final"; done)
-  CMD="python3 -m hyflash.train $(recipes) $INIT --set target=$TARGET_DIR --set init_from_target=false
-    --set lr=0.0005 --set min_lr=0.00005 --set warmup=0.02 --set seed=1 --set eval_every=1000000 --set ckpt_every=25
-    --device ${DEVICE:-cuda} ${EXTRA:-} --steps $STEPS --out /tmp/s2"
-  echo $CMD | tee /tmp/s2.command.txt
-  timeout "$LEFT" $CMD > /tmp/s2.log 2>&1 \
-    || { echo "stopped before step $STEPS; exporting the latest checkpoints" | tee -a /tmp/s2.command.txt
-         python3 -m hyflash.train --export --out /tmp/s2 >> /tmp/s2.log 2>&1 || echo "nothing to export"; }
+  train_for s2 "$LEFT" "$STEPS" python3 -m hyflash.train $(recipes) $INIT --set target=$TARGET_DIR \
+    --set init_from_target=false --set lr=0.0005 --set min_lr=0.00005 --set warmup=0.02 --set seed=1 \
+    --set eval_every=1000000 --set ckpt_every=25 --device ${DEVICE:-cuda} ${EXTRA:-} --steps $STEPS --out /tmp/s2
   pack "$KIT/results2" gemma3-gpu2 s2
   echo "done after $(( $(date +%s) - START )) s"
   exit 0
@@ -141,10 +145,6 @@ EVAL=$(( STEPS / 3 > 0 ? STEPS / 3 : 1 ))
 LEFT=$(( BUDGET - ($(date +%s) - START) - 25 ))
 if [ "$LEFT" -lt 60 ]; then echo "the probe left ${LEFT} s of the budget; training for 60 s anyway"; LEFT=60; fi
 rm -rf /tmp/run
-CMD="python3 -m hyflash.train $COMMON --steps $STEPS --set eval_every=$EVAL --out /tmp/run"
-echo $CMD | tee /tmp/run.command.txt
-timeout "$LEFT" $CMD > /tmp/run.log 2>&1 \
-  || { echo "stopped before step $STEPS; exporting the latest checkpoints" | tee -a /tmp/run.command.txt
-       python3 -m hyflash.train --export --out /tmp/run >> /tmp/run.log 2>&1 || echo "nothing to export"; }
+train_for run "$LEFT" "$STEPS" python3 -m hyflash.train $COMMON --steps $STEPS --set eval_every=$EVAL --out /tmp/run
 pack "$RESULTS" gemma3-gpu run
 echo "done after $(( $(date +%s) - START )) s"
