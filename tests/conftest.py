@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from hyflash import kernels
 from hyflash.target import Target
 
 
@@ -13,6 +14,18 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(params=kernels.builds() if kernels.amx() is not None else [None])
+def each_build(request, monkeypatch):
+    """Run a test once per build of our C++ kernels this CPU can run (an AVX-512 BF16 CPU also runs the AVX2 build),
+    with ``HYFLASH_KERNELS`` naming it; the module cache is cleared around it so that the test loads that build."""
+    if request.param is not None:
+        monkeypatch.setenv("HYFLASH_KERNELS", request.param)
+    kernels.amx.cache_clear()
+    yield request.param
+    monkeypatch.undo()
+    kernels.amx.cache_clear()
 
 
 @pytest.fixture(scope="session")

@@ -9,12 +9,13 @@ import pytest
 import torch
 
 from conftest import tiny_llama
+from hyflash import kernels
 from hyflash.drafter.config import DrafterConfig
 from hyflash.drafter.model import new_drafter, save_pretrained
 
 
-def hyflash(*args, timeout=300):
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+def hyflash(*args, timeout=300, **env_vars):
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", **env_vars}
     return subprocess.run([sys.executable, "-m", "hyflash.cli", *args], capture_output=True, text=True,
                           timeout=timeout, env=env)
 
@@ -80,3 +81,18 @@ def test_generate_notes_when_bf16_greedy_output_may_leave_plain_decodings():
     assert ("near-ties" in proc.stderr) == (kernels.amx() is None)
     quiet = hyflash("generate", "Hi", "--max-new-tokens", "3", "--drafter", "ngram", "--dtype", "fp32")
     assert quiet.returncode == 0 and "near-ties" not in quiet.stderr
+
+
+@pytest.mark.skipif("avx2" not in kernels.builds() or kernels.amx() is None, reason="needs a CPU with AVX2 and FMA")
+def test_generate_notes_that_plain_decoding_may_be_faster_on_the_avx2_build():
+    best = kernels.builds()[0]
+    for build, drafter, noted in (("avx2", "ngram", True), ("avx2", "none", False), (best, "ngram", best == "avx2")):
+        proc = hyflash("generate", "Hi", "--max-new-tokens", "3", "--drafter", drafter, HYFLASH_KERNELS=build)
+        assert proc.returncode == 0, proc.stderr
+        assert ("--drafter none may be faster" in proc.stderr) == noted
+        assert "near-ties" not in proc.stderr  # the output is exact on every build
+
+
+def test_a_bad_hyflash_kernels_value_is_a_clean_error():
+    proc = hyflash("generate", "Hi", "--max-new-tokens", "3", HYFLASH_KERNELS="avx3")
+    assert_clean_error(proc, "HYFLASH_KERNELS='avx3': use 0 (off), 1 (the CPU's best) or one of")

@@ -1,5 +1,6 @@
-"""Our matmul kernel (hyflash.kernels, csrc/amx_linear.cpp): bf16 x @ w.T for 1-16 rows on CPUs with AMX or
-AVX-512 BF16. Skipped where the kernel cannot run; the fallback that every machine takes is tested here too."""
+"""Our matmul kernel (hyflash.kernels, csrc/amx_linear.cpp): bf16 x @ w.T for 1-16 rows on x86-64 CPUs with AMX,
+AVX-512 BF16 or AVX2 and FMA, each test once per build the CPU runs. Skipped where the kernel cannot run; the
+fallback that every machine takes is tested here too."""
 
 import pytest
 import torch
@@ -7,7 +8,12 @@ import torch
 from hyflash import kernels
 from hyflash.packed import AMX_MAX_ROWS, PackedLinear
 
-needs_amx = pytest.mark.skipif(kernels.amx() is None, reason="no AMX kernel on this machine (CPU, compiler or OS)")
+
+
+def needs_amx(test):
+    """Skipped without our kernels; else run once per build this CPU can run (tests/conftest.py ``each_build``)."""
+    test = pytest.mark.usefixtures("each_build")(test)
+    return pytest.mark.skipif(kernels.amx() is None, reason="no C++ kernels on this machine (CPU, compiler or OS)")(test)
 
 
 def _exact(x, w):
@@ -53,6 +59,20 @@ def test_amx_rows_do_not_depend_on_how_many_are_multiplied_together_or_on_thread
 
 
 @needs_amx
+def test_each_pair_of_k_is_added_odd_product_first_with_a_rounding_after_each():
+    """The order VDPBF16PS is specified with (and the AVX2 build copies): per pair of k, the sum so far plus the odd
+    product, rounded, plus the even product, rounded. Sums chosen so that each other order gives 1 instead of 0:
+    even first (column 0), or a pair's two products added before the sum so far (column 1)."""
+    w = torch.zeros(16, 32)
+    w[0, 0], w[0, 2], w[0, 3] = 2.0 ** 30, -2.0 ** 30, 1.0  # pairs (even, odd): (2^30, 0), (-2^30, 1)
+    w[1, 0], w[1, 2], w[1, 3] = 1.0, 2.0 ** 30, -2.0 ** 30  # (1, 0), (2^30, -2^30)
+    w[2, 0] = 3.0
+    amx = kernels.amx()
+    got = amx.linear(torch.ones(1, 32).bfloat16(), amx.pack(w.bfloat16()))[0, :3]
+    assert got.tolist() == [0.0, 0.0, 3.0]
+
+
+@needs_amx
 def test_larger_inputs_and_odd_shapes_take_the_plain_matmul():
     g = torch.Generator().manual_seed(2)
     w = torch.randn(64, 64, generator=g).bfloat16()
@@ -81,16 +101,35 @@ def test_kernels_can_be_switched_off_and_then_onednn_or_the_plain_matmul_serves(
 
 
 def test_the_cpu_flags_choose_the_build_and_none_means_no_kernel(monkeypatch):
-    amx = {"amx_tile", "amx_bf16", "avx512_bf16", "avx512f", "avx512bw", "avx512vl"}
-    for flags, build in ((amx, "amx"), (amx - {"amx_tile", "amx_bf16"}, "avx512-bf16"), ({"avx2", "fma"}, None)):
+    monkeypatch.delenv("HYFLASH_KERNELS", raising=False)
+    amx = {"amx_tile", "amx_bf16", "avx512_bf16", "avx512f", "avx512bw", "avx512vl", "avx2", "fma"}
+    for flags, build in ((amx, "amx"), (amx - {"amx_tile", "amx_bf16"}, "avx512-bf16"), ({"avx2", "fma"}, "avx2"),
+                         ({"avx2"}, None), ({"avx", "sse4_2"}, None)):
         monkeypatch.setattr(kernels, "cpu_flags", lambda f=flags: f)
         assert kernels.isa() == build
+    assert kernels.builds() == []
     kernels.amx.cache_clear()
     try:
         assert kernels.amx() is None
     finally:
         monkeypatch.undo()
         kernels.amx.cache_clear()
+
+
+def test_hyflash_kernels_names_a_lesser_build_and_refuses_one_the_cpu_cannot_run(monkeypatch):
+    from hyflash import HyflashError
+
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset({"avx512_bf16", "avx512f", "avx512bw", "avx512vl",
+                                                                  "avx2", "fma"}))
+    assert kernels.builds() == ["avx512-bf16", "avx2"]
+    monkeypatch.setenv("HYFLASH_KERNELS", "avx2")
+    assert kernels.isa() == "avx2"
+    monkeypatch.setenv("HYFLASH_KERNELS", "amx")
+    with pytest.raises(HyflashError, match="cannot run that build.*avx512-bf16, avx2"):
+        kernels.isa()
+    monkeypatch.setenv("HYFLASH_KERNELS", "avx3")
+    with pytest.raises(HyflashError, match="use 0 .* or one of amx, avx512-bf16, avx2"):
+        kernels.isa()
 
 
 @needs_amx

@@ -1,6 +1,8 @@
 """Our C++ paths (hyflash.kernels): the Llama forward (fast.LeanLlama) and the drafter's commit and draft
 (drafter.state.DrafterState) against the torch code they replace, in bf16 on CPUs with AMX; and the property that makes
-bf16 speculative decoding exact on them: a token's result does not depend on how many tokens are verified together."""
+bf16 speculative decoding exact on them: a token's result does not depend on how many tokens are verified together.
+Each test runs once per build this CPU can run (tests/conftest.py ``each_build``); where the AVX-512 BF16 and AVX2
+builds both run, they are also compared with each other."""
 
 import pytest
 import torch
@@ -13,7 +15,8 @@ from hyflash.drafter.model import new_drafter
 from hyflash.drafter.state import DrafterState
 from hyflash.proposers import HyFlashProposer, NgramProposer
 
-pytestmark = pytest.mark.skipif(kernels.amx() is None, reason="no AMX kernels on this machine")
+pytestmark = [pytest.mark.skipif(kernels.amx() is None, reason="no C++ kernels on this machine"),
+              pytest.mark.usefixtures("each_build")]  # every test once per build the CPU runs
 
 
 def bf16_llama(seed=0):
@@ -275,3 +278,34 @@ def test_lookup_then_drafter_grafts_weak_matches_onto_the_tree_and_stays_exact()
         combo = LookupThenDrafter(HyFlashProposer(drafter, tree=4, weights=weights), min_match=3, graft=3)
         assert generate(target, prompt, combo, max_new_tokens=40).token_ids == plain
         assert combo.graft_rounds > 0
+
+
+@pytest.mark.skipif(not {"avx512-bf16", "avx2"} <= set(kernels.builds()), reason="needs a CPU that runs both builds")
+def test_the_avx2_build_gives_the_bits_of_the_avx512_bf16_build(each_build, monkeypatch):
+    """The AVX2 build's pair products (two FMAs, the odd product first) are VDPBF16PS as it is specified, and its
+    reductions follow the same tree, so on a CPU that runs both the forward, the drafter and their matmuls agree
+    bit for bit: the AVX2 build is checked against the one whose exactness the other tests establish."""
+    if each_build != "avx2":
+        pytest.skip("one comparison is enough")
+    from hyflash.drafter.state import DrafterState
+
+    results = {}
+    for build in ("avx512-bf16", "avx2"):
+        monkeypatch.setenv("HYFLASH_KERNELS", build)
+        kernels.amx.cache_clear()
+        target = bf16_llama(seed=4)
+        drafter = _bf16_drafter(target)
+        cache = target.new_cache(160)
+        target.forward(torch.randint(1, 63, (70,), generator=torch.Generator().manual_seed(4)), cache)
+        chain = target.forward(torch.tensor([3, 14, 15, 9]), cache)
+        tree = target.forward(torch.tensor([5, 6, 7, 8, 9]), cache, parents=[0, 0, 1, 1])
+        state = DrafterState(drafter)
+        state.commit(chain.features)
+        state.commit(tree.features[:3])
+        g = torch.Generator().manual_seed(5)
+        w, x = torch.randn(200, 96, generator=g).bfloat16(), torch.randn(13, 96, generator=g).bfloat16()
+        amx = kernels.amx()
+        results[build] = [chain.logits, chain.features, tree.logits, state.draft_logits(7),
+                          amx.linear(x, amx.pack(w)), amx.linear(x, amx.pack_q8(w))]
+    for a, b in zip(results["avx512-bf16"], results["avx2"]):
+        assert torch.equal(a, b)

@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from hyflash import HyflashError
+from hyflash import HyflashError, kernels
 
 
 class _TextStreamer:
@@ -72,9 +72,14 @@ def generate(prompt, target, drafter, max_new_tokens, temperature, top_k, top_p,
     ids = tgt.encode(prompt, chat=chat)
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     if drafter != "none" and sampling.greedy and not tgt.bitwise_verify:
-        click.echo("hyflash: note: without our C++ kernels (they need AMX or AVX-512 BF16), bf16 verification rounds "
+        click.echo("hyflash: note: without our C++ kernels (they need an x86-64 CPU with AVX2 and FMA, and a C++ compiler), bf16 verification rounds "
                    "differently from single steps, so greedy output can differ from --drafter none at near-ties; "
                    "--dtype fp32 keeps it identical", err=True)
+    if drafter != "none" and getattr(getattr(tgt, "lean", None), "native", None) is not None and kernels.isa() == "avx2":
+        click.echo("hyflash: note: on the AVX2 build of our kernels (no bf16 dot-product instructions), verifying a "
+                   "block of drafted tokens costs several single steps on few cores, so --drafter none may be faster "
+                   "here (output is identical either way); compare with benchmarks/bench_mtbench.py --drafters "
+                   "none,ngram+auto", err=True)
     streamer = None if as_json else _TextStreamer(tgt)
     result = run(tgt, ids, proposer, max_new_tokens=max_new_tokens, sampling=sampling,
                  stop_strings=tuple(stop_strings), on_tokens=streamer)

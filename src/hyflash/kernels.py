@@ -2,15 +2,18 @@
 decoder's whole forward over up to 16 new tokens built on it (lean_llama.cpp, used by ``fast.LeanLlama``), and the
 HyFlash drafter's commit and draft (drafter.cpp, used by ``drafter.state.DrafterState``).
 
-They come in two builds, chosen by the CPU: on AMX tiles (Intel Sapphire Rapids and later), or, where a CPU has
-AVX-512 BF16 but no tiles (AMD Zen 4 and later, Intel Cooper Lake), on VDPBF16PS. Either way every output element
-is one fp32 sum taken in the same order whatever the number of rows, so verifying k drafted tokens gives each token
-the bits a 1-token step would: greedy speculative decoding in bf16 is token-identical to plain decoding.
+They come in three builds, chosen by the CPU: on AMX tiles (Intel Sapphire Rapids and later); where a CPU has
+AVX-512 BF16 but no tiles (AMD Zen 4 and later, Intel Cooper Lake), on VDPBF16PS; and on AVX2 with FMA (x86-64-v3:
+most laptops' Intel and AMD CPUs since 2013–2015), where each bf16 pair product is two FMAs on widened values
+(csrc/simd.h). In every build each output element is one fp32 sum taken in the same order whatever the number of
+rows, so verifying k drafted tokens gives each token the bits a 1-token step would: greedy speculative decoding in
+bf16 is token-identical to plain decoding. (Different builds may differ from each other in the last bit.)
 
-``amx()`` returns the compiled module, or None where it cannot run — not x86-64 Linux, neither AMX-BF16 nor
-AVX-512 BF16 in the CPU's flags, no C++ compiler, a failed build, or ``HYFLASH_KERNELS=0`` — and callers then use
-oneDNN (``hyflash.packed``). ``isa()`` says which build. The build (under a minute on 2 cores, once) goes to torch's
-extension cache (``TORCH_EXTENSIONS_DIR``, by default under ~/.cache).
+``amx()`` returns the compiled module, or None where it cannot run — not x86-64 Linux, not even AVX2 and FMA in the
+CPU's flags, no C++ compiler, a failed build, or ``HYFLASH_KERNELS=0`` — and callers then use oneDNN
+(``hyflash.packed``). ``HYFLASH_KERNELS=avx2`` (or ``avx512-bf16``) picks a lesser build than the CPU's best, to
+test it. ``isa()`` says which build. The build (under a minute on 2 cores, once) goes to torch's extension cache
+(``TORCH_EXTENSIONS_DIR``, by default under ~/.cache).
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import platform
 import sys
 import warnings
 from pathlib import Path
+
+from hyflash import HyflashError
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 NAME = "hyflash_amx_linear"
@@ -48,19 +53,49 @@ def cpu_has_avx512_bf16() -> bool:
     return {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= cpu_flags()
 
 
+def cpu_has_avx2() -> bool:
+    """AVX2 with FMA, as the third build needs."""
+    return {"avx2", "fma"} <= cpu_flags()
+
+
+BUILDS = ("amx", "avx512-bf16", "avx2")  # best first
+FLAGS = {"amx": ["-mavx512f", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"],
+         "avx512-bf16": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"],
+         "avx2": ["-mavx2", "-mfma"]}
+MODULE_NAMES = {"amx": NAME, "avx512-bf16": NAME + "_avx512bf16", "avx2": NAME + "_avx2"}
+
+
+def builds() -> list[str]:
+    """The builds this CPU can run, best first (empty off x86-64 Linux or without AVX2 and FMA)."""
+    runs = {"amx": cpu_has_amx(), "avx512-bf16": cpu_has_avx512_bf16(), "avx2": cpu_has_avx2()}
+    return [b for b in BUILDS if runs[b]]
+
+
 def isa() -> str | None:
-    """Which build of the kernels this CPU gets: "amx", "avx512-bf16", or None (no kernels; oneDNN)."""
-    return "amx" if cpu_has_amx() else "avx512-bf16" if cpu_has_avx512_bf16() else None
+    """Which build of the kernels this process gets: "amx", "avx512-bf16", "avx2", or None (no kernels; oneDNN).
+
+    The CPU's best, or the build ``HYFLASH_KERNELS`` names when the CPU can run it."""
+    runnable = builds()
+    wanted = os.environ.get("HYFLASH_KERNELS", "1")
+    if wanted in BUILDS:
+        if wanted not in runnable:
+            raise HyflashError(f"HYFLASH_KERNELS={wanted}: this CPU cannot run that build "
+                               f"(it can run: {', '.join(runnable) or 'none'})")
+        return wanted
+    if wanted not in ("0", "1"):
+        raise HyflashError(f"HYFLASH_KERNELS={wanted!r}: use 0 (off), 1 (the CPU's best) or one of {', '.join(BUILDS)}")
+    return runnable[0] if runnable else None
 
 
 @functools.cache
 def amx():
     """The compiled module (``init``, ``pack``, ``linear``, ``llama_forward``, ``drafter_commit``, ``drafter_draft``), or None when it is unavailable (see the module)."""
-    build = isa()
-    if os.environ.get("HYFLASH_KERNELS", "1") == "0" or build is None:
+    if os.environ.get("HYFLASH_KERNELS", "1") == "0":
         return None
-    name, flags = (NAME, ["-mavx512f", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"]) if build == "amx" else \
-        (NAME + "_avx512bf16", ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"])
+    build = isa()
+    if build is None:
+        return None
+    name, flags = MODULE_NAMES[build], FLAGS[build]
     try:
         from torch.utils import cpp_extension
         from torch.utils.cpp_extension import load

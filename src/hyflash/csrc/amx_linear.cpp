@@ -9,6 +9,7 @@
 // through TDPBF16PS once, with x's rows as the A tile: the cost barely grows from 1 row to 16, so verifying a block
 // of drafted tokens costs about what one token does. Accumulation is fp32, the result is rounded to bf16 once.
 #include "amx.h"
+#include "simd.h"
 #include <immintrin.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
@@ -31,53 +32,84 @@ void configure(int64_t M) {
 }
 #else
 // Without tiles: R rows of x against NB 16-column blocks, each output element one fp32 accumulator that takes
-// k's pairs in order (VDPBF16PS: x's pair broadcast against 16 columns' pairs). The sum an element gets does not
-// depend on how many rows are multiplied with it, so verifying k tokens gives each the bits a 1-token step would.
-// x32: rows of x as bf16 pairs (stride K / 2); w[u]: block u's pairs in kernel order ([K/2][16] uint32).
+// k's pairs in order (vdot_pair of simd.h: VDPBF16PS, or two FMAs on AVX2: x's pair broadcast against 16 columns'
+// pairs). The sum an element gets does not depend on how many rows are multiplied with it, so verifying k tokens
+// gives each the bits a 1-token step would.
+// x: rows of x (matmul_rows of simd.h; stride xs elements, kPairStep a pair); w[u]: block u's pairs in kernel order ([K/2][16] uint32);
+// acc: row r's block u at r * 64 + u * 16.
 // add: continue the sums already in acc (a later range of k), else start from zero.
 template <int R, int NB>
-inline void dp_rows(const uint32_t* x32, int64_t xs, int64_t K2, const uint32_t* const* w, float* acc, bool add) {
-  __m512 c[R][NB];
+inline void dp_rows(const hyflash::xpair* x, int64_t xs, int64_t K2, const uint32_t* const* w, float* acc, bool add) {
+  using namespace hyflash;
+  vf c[R][NB];
   for (int r = 0; r < R; ++r)
-    for (int u = 0; u < NB; ++u) c[r][u] = add ? _mm512_load_ps(acc + r * 64 + u * 16) : _mm512_setzero_ps();
+    for (int u = 0; u < NB; ++u) c[r][u] = add ? vload(acc + r * 64 + u * 16) : vzero();
   for (int64_t kp = 0; kp < K2; ++kp) {
-    __m512i b[NB];
-    for (int u = 0; u < NB; ++u) b[u] = _mm512_loadu_si512(w[u] + kp * 16);
+    vpairs b[NB];
+    for (int u = 0; u < NB; ++u) b[u] = vload_pairs(w[u] + kp * 16);
     for (int r = 0; r < R; ++r) {
-      const __m512i a = _mm512_set1_epi32(static_cast<int>(x32[r * xs + kp]));
-      for (int u = 0; u < NB; ++u) c[r][u] = _mm512_dpbf16_ps(c[r][u], (__m512bh)a, (__m512bh)b[u]);
+      const xpair* a = x + r * xs + kp * kPairStep;
+      for (int u = 0; u < NB; ++u) c[r][u] = vdot(c[r][u], a, b[u]);
     }
   }
-  for (int r = 0; r < R; ++r) for (int u = 0; u < NB; ++u) _mm512_store_ps(acc + r * 64 + u * 16, c[r][u]);
+  for (int r = 0; r < R; ++r) for (int u = 0; u < NB; ++u) vstore(acc + r * 64 + u * 16, c[r][u]);
 }
 
+#ifdef __AVX512BF16__
+constexpr int kRowGroup = 6;  // 6 rows x 4 blocks: 24 accumulators in AVX-512's 32 registers
+#else
+constexpr int kRowGroup = 4;  // AVX2: 4 rows x 1 block x 2 halves, plus the block's 4 widened halves, in 16
+#endif
+
 template <int NB>
-inline void dp_rows_nb(const uint32_t* x32, int64_t xs, int64_t K2, int64_t rows, const uint32_t* const* w, float* acc,
+inline void dp_rows_nb(const hyflash::xpair* x32, int64_t xs, int64_t K2, int64_t rows, const uint32_t* const* w, float* acc,
                        bool add) {
   switch (rows) {
     case 1: dp_rows<1, NB>(x32, xs, K2, w, acc, add); break;
     case 2: dp_rows<2, NB>(x32, xs, K2, w, acc, add); break;
+#ifdef __AVX512BF16__
     case 3: dp_rows<3, NB>(x32, xs, K2, w, acc, add); break;
     case 4: dp_rows<4, NB>(x32, xs, K2, w, acc, add); break;
     case 5: dp_rows<5, NB>(x32, xs, K2, w, acc, add); break;
     default: dp_rows<6, NB>(x32, xs, K2, w, acc, add); break;
+#else
+    case 3: dp_rows<3, NB>(x32, xs, K2, w, acc, add); break;
+    default: dp_rows<4, NB>(x32, xs, K2, w, acc, add); break;
+#endif
   }
 }
 
-// all M rows of x (stride xs pairs; in groups of up to 6, so that 24 accumulators stay in registers) against
-// nb <= 4 blocks over K2 pairs of k, into acc [M x 64]
-inline void dp_block_group(const uint32_t* x32, int64_t xs, int64_t M, int64_t K2, const uint32_t* const* w,
+// all M rows of x (stride xs pairs; in groups of kRowGroup) against nb <= 4 blocks over K2 pairs of k, into
+// acc [M x 64]; on AVX2 one block at a time (its registers hold one block's accumulators)
+inline void dp_block_group(const hyflash::xpair* x32, int64_t xs, int64_t M, int64_t K2, const uint32_t* const* w,
                            int64_t nb, float* acc, bool add) {
-  for (int64_t m0 = 0; m0 < M; m0 += 6) {
-    const int64_t rows = std::min<int64_t>(6, M - m0);
-    const uint32_t* xr = x32 + m0 * xs;
+  for (int64_t m0 = 0; m0 < M; m0 += kRowGroup) {
+    const int64_t rows = std::min<int64_t>(kRowGroup, M - m0);
+    const hyflash::xpair* xr = x32 + m0 * xs;
     float* ar = acc + m0 * 64;
+#ifdef __AVX512BF16__
     switch (nb) {
       case 1: dp_rows_nb<1>(xr, xs, K2, rows, w, ar, add); break;
       case 2: dp_rows_nb<2>(xr, xs, K2, rows, w, ar, add); break;
       case 3: dp_rows_nb<3>(xr, xs, K2, rows, w, ar, add); break;
       default: dp_rows_nb<4>(xr, xs, K2, rows, w, ar, add); break;
     }
+#else  // 3-4 rows: one block at a time; fewer rows: 2 or 4 blocks at once, so that 8 sums are in flight either way
+    if (rows >= 3) {
+      for (int64_t u = 0; u < nb; ++u) dp_rows_nb<1>(xr, xs, K2, rows, w + u, ar + u * 16, add);
+    } else if (rows == 2) {
+      for (int64_t u = 0; u < nb; u += 2)
+        if (u + 1 < nb) dp_rows<2, 2>(xr, xs, K2, w + u, ar + u * 16, add);
+        else dp_rows<2, 1>(xr, xs, K2, w + u, ar + u * 16, add);
+    } else {
+      switch (nb) {
+        case 1: dp_rows<1, 1>(xr, xs, K2, w, ar, add); break;
+        case 2: dp_rows<1, 2>(xr, xs, K2, w, ar, add); break;
+        case 3: dp_rows<1, 3>(xr, xs, K2, w, ar, add); break;
+        default: dp_rows<1, 4>(xr, xs, K2, w, ar, add); break;
+      }
+    }
+#endif
   }
 }
 #endif
@@ -86,8 +118,7 @@ inline void dp_block_group(const uint32_t* x32, int64_t xs, int64_t M, int64_t K
 inline void store_bf16(const float* acc, int64_t M, int nb, at::BFloat16* y, int64_t N) {
   for (int64_t m = 0; m < M; ++m)
     for (int b = 0; b < nb; ++b) {
-      __m512 v = _mm512_loadu_ps(acc + m * 64 + b * 16);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * N + b * 16), (__m256i)_mm512_cvtneps_pbh(v));
+      hyflash::store16(y + m * N + b * 16, hyflash::vload(acc + m * 64 + b * 16));
     }
 }
 
@@ -97,10 +128,9 @@ inline void store_bf16(const float* acc, int64_t M, int nb, at::BFloat16* y, int
 inline void store_scaled_bf16(const float* acc, int64_t M, int64_t nb, const int8_t* blocks, int64_t row, int64_t K,
                               at::BFloat16* y, int64_t N) {
   for (int64_t u = 0; u < nb; ++u) {
-    const __m512 scale = _mm512_loadu_ps(reinterpret_cast<const float*>(blocks + u * row + K * 16));
+    const hyflash::vf scale = hyflash::vload(reinterpret_cast<const float*>(blocks + u * row + K * 16));
     for (int64_t m = 0; m < M; ++m)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * N + u * 16),
-                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(acc + m * 64 + u * 16), scale)));
+      hyflash::store16(y + m * N + u * 16, hyflash::vmul(hyflash::vload(acc + m * 64 + u * 16), scale));
   }
 }
 
@@ -173,13 +203,7 @@ namespace {
 // |code| <= 127 fits bf16's 8-bit significand); the column scales are applied to the fp32 sums afterwards
 inline void widen_q8(const int8_t* codes, int64_t k, uint16_t* tile) {
   const int8_t* c = codes + k * 16;
-  for (int kp = 0; kp < 16; ++kp) {  // a row of the tile: 16 columns x a pair of k (32 codes)
-    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 32 * kp));
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 32 * kp + 16));
-    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(a));
-    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
-    _mm512_store_si512(tile + 32 * kp, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-  }
+  for (int i = 0; i < 32; ++i) widen16_q8(c + 16 * i, tile + 16 * i);  // 16 tile rows: 16 columns x a pair of k
 }
 
 torch::Tensor amx_linear_q8(torch::Tensor x, torch::Tensor packed) {
@@ -192,6 +216,8 @@ torch::Tensor amx_linear_q8(torch::Tensor x, torch::Tensor packed) {
   const int64_t groups = (blocks + 3) / 4;
   // as amx_linear: four column blocks share each load of x (and four streams of codes are in flight)
 #ifndef __AMX_TILE__
+  std::vector<float> scratch;
+  const xpair* xr = matmul_rows(x.data_ptr<at::BFloat16>(), M * K, scratch);
   at::parallel_for(0, groups, 1, [&](int64_t first, int64_t last) {
     alignas(64) float acc[16 * 64];
     alignas(64) uint16_t tile[4][16 * 32];
@@ -201,7 +227,7 @@ torch::Tensor amx_linear_q8(torch::Tensor x, torch::Tensor packed) {
       for (int64_t u = 0; u < nb; ++u) w[u] = reinterpret_cast<const uint32_t*>(tile[u]);
       for (int64_t k = 0; k < K; k += 32) {  // 32 k at a time: widen the codes, then 16 pairs into the sums
         for (int64_t u = 0; u < nb; ++u) widen_q8(wp + (b0 + u) * row, k, tile[u]);
-        dp_block_group(reinterpret_cast<const uint32_t*>(xp) + k / 2, K / 2, M, 16, w, nb, acc, k > 0);
+        dp_block_group(xr + k / 2 * kPairStep, K / 2 * kPairStep, M, 16, w, nb, acc, k > 0);
       }
       store_scaled_bf16(acc, M, nb, wp + b0 * row, row, K, yp + b0 * 16, N);
     }
@@ -254,13 +280,15 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed) {
   auto* yp = y.data_ptr<at::BFloat16>();
   const int64_t blocks = N / 16, groups = (blocks + 3) / 4, bs = K * 16;  // bs: elements per 16-column block
 #ifndef __AMX_TILE__
+  std::vector<float> scratch;
+  const xpair* xr = matmul_rows(x.data_ptr<at::BFloat16>(), M * K, scratch);
   at::parallel_for(0, groups, 1, [&](int64_t first, int64_t last) {
     alignas(64) float acc[16 * 64];
     for (int64_t g = first; g < last; ++g) {
       const int64_t b0 = g * 4, nb = std::min<int64_t>(4, blocks - b0);
       const uint32_t* w[4] = {};
       for (int64_t u = 0; u < nb; ++u) w[u] = reinterpret_cast<const uint32_t*>(wp + (b0 + u) * bs);
-      dp_block_group(reinterpret_cast<const uint32_t*>(xp), K / 2, M, K / 2, w, nb, acc, false);
+      dp_block_group(xr, K / 2 * kPairStep, M, K / 2, w, nb, acc, false);
       store_bf16(acc, M, static_cast<int>(nb), yp + b0 * 16, N);
     }
   });

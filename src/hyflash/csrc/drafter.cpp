@@ -28,11 +28,11 @@ Dims dims_of(const std::vector<int64_t>& v, double eps) {
 
 // RMSNorm of attention.py: fp32, times an fp32 weight, one rounding to bf16. len a multiple of 16.
 void norm_row(const bf16* x, const float* w, bf16* out, int64_t len, float eps) {
-  __m512 ss = _mm512_setzero_ps();
-  for (int64_t j = 0; j < len; j += 16) { const __m512 v = load16(x + j); ss = _mm512_fmadd_ps(v, v, ss); }
-  const __m512 r = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(ss) / len + eps));
+  vf ss = vzero();
+  for (int64_t j = 0; j < len; j += 16) { const vf v = load16(x + j); ss = vfma(v, v, ss); }
+  const vf r = vset(1.f / std::sqrt(vsum(ss) / len + eps));
   for (int64_t j = 0; j < len; j += 16)
-    store16(out + j, _mm512_mul_ps(_mm512_mul_ps(load16(x + j), r), _mm512_loadu_ps(w + j)));
+    store16(out + j, vmul(vmul(load16(x + j), r), vload(w + j)));
 }
 
 // apply_rope of attention.py (half split): [x1 cos - x2 sin, x2 cos + x1 sin], products and sums rounded to bf16.
@@ -40,9 +40,9 @@ void norm_row(const bf16* x, const float* w, bf16* out, int64_t len, float eps) 
 void rope_half(bf16* x, const bf16* cos, const bf16* sin, int64_t hd) {
   const int64_t half = hd / 2;
   for (int64_t e = 0; e < half; e += 16) {
-    const __m512 x1 = load16(x + e), x2 = load16(x + half + e), c = load16(cos + e), s = load16(sin + e);
-    const __m512 a = _mm512_sub_ps(round_bf16(_mm512_mul_ps(x1, c)), round_bf16(_mm512_mul_ps(x2, s)));
-    const __m512 b = _mm512_add_ps(round_bf16(_mm512_mul_ps(x2, c)), round_bf16(_mm512_mul_ps(x1, s)));
+    const vf x1 = load16(x + e), x2 = load16(x + half + e), c = load16(cos + e), s = load16(sin + e);
+    const vf a = vsub(round_bf16(vmul(x1, c)), round_bf16(vmul(x2, s)));
+    const vf b = vadd(round_bf16(vmul(x2, c)), round_bf16(vmul(x1, s)));
     store16(x + e, a);
     store16(x + half + e, b);
   }
@@ -132,12 +132,12 @@ void drafter_commit(torch::Tensor feats, std::vector<torch::Tensor> glob, std::v
         float v[256];
         for (int64_t e = 0; e < g.dv; ++e) v[e] = static_cast<float>(bf16(act[t * g.C + h * g.dv + e] * dtb16));
         float* Sh = S + h * g.dk * g.dv;
-        const __m512 dec = _mm512_set1_ps(decay);
+        const vf dec = vset(decay);
         for (int64_t i = 0; i < g.dk; ++i) {
-          const __m512 ki = _mm512_set1_ps(static_cast<float>(bf16(k[i])));
+          const vf ki = vset(static_cast<float>(bf16(k[i])));
           for (int64_t e = 0; e < g.dv; e += 16) {
             float* s = Sh + i * g.dv + e;
-            _mm512_storeu_ps(s, _mm512_fmadd_ps(ki, _mm512_loadu_ps(v + e), _mm512_mul_ps(dec, _mm512_loadu_ps(s))));
+            vstore(s, vfma(ki, vload(v + e), vmul(dec, vload(s))));
           }
         }
       }
@@ -197,26 +197,26 @@ torch::Tensor drafter_draft(torch::Tensor slots, std::vector<torch::Tensor> laye
         float best = -INFINITY;
         for (int64_t j = 0; j < T; ++j) {
           const bf16* kj = j < ctx ? wk + (kh * g.cap + j) * g.hd : k + (j - ctx) * row + kh * g.hd;
-          __m512 acc = _mm512_setzero_ps();
-          for (int64_t e = 0; e < g.hd; e += 16) acc = _mm512_fmadd_ps(load16(qa + e), load16(kj + e), acc);
-          score[j] = _mm512_reduce_add_ps(acc) * scale;
+          vf acc = vzero();
+          for (int64_t e = 0; e < g.hd; e += 16) acc = vfma(load16(qa + e), load16(kj + e), acc);
+          score[j] = vsum(acc) * scale;
           best = std::max(best, score[j]);
         }
         int64_t j = 0;
         for (; j + 16 <= T; j += 16)
-          _mm512_storeu_ps(&score[j], exp16(_mm512_sub_ps(_mm512_loadu_ps(&score[j]), _mm512_set1_ps(best))));
+          vstore(&score[j], exp16(vsub(vload(&score[j]), vset(best))));
         for (; j < T; ++j) score[j] = std::exp(score[j] - best);
         float total = 0.f;
-        __m512 o[16];
-        for (int64_t e = 0; e < g.hd / 16; ++e) o[e] = _mm512_setzero_ps();
+        vf o[16];
+        for (int64_t e = 0; e < g.hd / 16; ++e) o[e] = vzero();
         for (j = 0; j < T; ++j) {
           const bf16* vj = j < ctx ? wv + (kh * g.cap + j) * g.hd : v + (j - ctx) * row + kh * g.hd;
-          const __m512 p = _mm512_set1_ps(score[j]);
+          const vf p = vset(score[j]);
           total += score[j];
-          for (int64_t e = 0; e < g.hd / 16; ++e) o[e] = _mm512_fmadd_ps(p, load16(vj + 16 * e), o[e]);
+          for (int64_t e = 0; e < g.hd / 16; ++e) o[e] = vfma(p, load16(vj + 16 * e), o[e]);
         }
         bf16* dst = out + s * (attn_w + mem_w) + a * g.hd;
-        for (int64_t e = 0; e < g.hd / 16; ++e) store16(dst + 16 * e, _mm512_div_ps(o[e], _mm512_set1_ps(total)));
+        for (int64_t e = 0; e < g.hd / 16; ++e) store16(dst + 16 * e, vdiv(o[e], vset(total)));
       }
     });
     if (g.memory) {  // y = Sᵀ q (fp32), RMSNorm(y) ⊙ silu(z)
@@ -226,12 +226,12 @@ torch::Tensor drafter_draft(torch::Tensor slots, std::vector<torch::Tensor> laye
       const float qscale = 1.f / std::sqrt(static_cast<float>(g.dk));
       for (int64_t s = 0; s < S; ++s)
         for (int64_t a = 0; a < g.mH; ++a) {
-          __m512 y[16];
-          for (int64_t e = 0; e < g.dv / 16; ++e) y[e] = _mm512_setzero_ps();
+          vf y[16];
+          for (int64_t e = 0; e < g.dv / 16; ++e) y[e] = vzero();
           const float* Sh = St + a * g.dk * g.dv;
           for (int64_t i = 0; i < g.dk; ++i) {
-            const __m512 qi = _mm512_set1_ps(static_cast<float>(bf16(static_cast<float>(mq[s * row + a * g.dk + i]) * qscale)));
-            for (int64_t e = 0; e < g.dv / 16; ++e) y[e] = _mm512_fmadd_ps(qi, _mm512_loadu_ps(Sh + i * g.dv + 16 * e), y[e]);
+            const vf qi = vset(static_cast<float>(bf16(static_cast<float>(mq[s * row + a * g.dk + i]) * qscale)));
+            for (int64_t e = 0; e < g.dv / 16; ++e) y[e] = vfma(qi, vload(Sh + i * g.dv + 16 * e), y[e]);
           }
           alignas(64) bf16 yb[256];
           for (int64_t e = 0; e < g.dv / 16; ++e) store16(yb + 16 * e, y[e]);
@@ -278,7 +278,7 @@ std::vector<torch::Tensor> top_probs(torch::Tensor logits, int64_t k) {
     if (!f32) {
       const bf16* src = x.data_ptr<bf16>() + s * V;
       int64_t j = 0;
-      for (; j + 16 <= V; j += 16) _mm512_storeu_ps(&widened[j], load16(src + j));
+      for (; j + 16 <= V; j += 16) vstore(&widened[j], load16(src + j));
       for (; j < V; ++j) widened[j] = static_cast<float>(src[j]);
     }
     float best_v[16];
@@ -288,8 +288,8 @@ std::vector<torch::Tensor> top_probs(torch::Tensor logits, int64_t k) {
     for (int64_t j0 = 0; j0 < V; j0 += 16) {
       const int64_t len = std::min<int64_t>(16, V - j0);
       // a block of 16 whose largest value is not above the k-th best so far changes nothing (most blocks)
-      const __m512 blk = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), static_cast<__mmask16>((1u << len) - 1), &row[j0]);
-      const float top = _mm512_reduce_max_ps(blk);
+      const vf blk = vload_first(&row[j0], static_cast<int>(len), -INFINITY);
+      const float top = vmaxall(blk);
       best = std::max(best, top);
       if (have == k && !(top > best_v[k - 1])) continue;
       for (int64_t j = j0; j < j0 + len; ++j) {
@@ -301,10 +301,10 @@ std::vector<torch::Tensor> top_probs(torch::Tensor logits, int64_t k) {
         best_i[at] = j;
       }
     }
-    __m512 acc = _mm512_setzero_ps();
+    vf acc = vzero();
     int64_t j = 0;
-    for (; j + 16 <= V; j += 16) acc = _mm512_add_ps(acc, exp16(_mm512_sub_ps(_mm512_loadu_ps(&row[j]), _mm512_set1_ps(best))));
-    float total = _mm512_reduce_add_ps(acc);
+    for (; j + 16 <= V; j += 16) acc = vadd(acc, exp16(vsub(vload(&row[j]), vset(best))));
+    float total = vsum(acc);
     for (; j < V; ++j) total += std::exp(row[j] - best);
     for (int64_t r = 0; r < k; ++r) {
       probs.data_ptr<float>()[s * k + r] = std::exp(best_v[r] - best) / total;

@@ -20,11 +20,11 @@ constexpr int64_t kMaxGroup = 8;  // query heads per kv head
 void rms_norm(const bf16* x, const bf16* w, bf16* out, int64_t n, int64_t d, float eps) {
   for (int64_t i = 0; i < n; ++i) {
     const bf16* row = x + i * d;
-    __m512 ss = _mm512_setzero_ps();
-    for (int64_t j = 0; j < d; j += 16) { const __m512 v = load16(row + j); ss = _mm512_fmadd_ps(v, v, ss); }
-    const __m512 r = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(ss) / d + eps));
+    vf ss = vzero();
+    for (int64_t j = 0; j < d; j += 16) { const vf v = load16(row + j); ss = vfma(v, v, ss); }
+    const vf r = vset(1.f / std::sqrt(vsum(ss) / d + eps));
     for (int64_t j = 0; j < d; j += 16)
-      store16(out + i * d + j, _mm512_mul_ps(load16(w + j), round_bf16(_mm512_mul_ps(load16(row + j), r))));
+      store16(out + i * d + j, vmul(load16(w + j), round_bf16(vmul(load16(row + j), r))));
   }
 }
 
@@ -32,11 +32,11 @@ void rms_norm(const bf16* x, const bf16* w, bf16* out, int64_t n, int64_t d, flo
 // hd a multiple of 32
 void rope(bf16* x, const bf16* cos, const bf16* sin, int64_t hd) {
   const int64_t half = hd / 2;
-  __m512 out[16];
+  vf out[16];
   for (int64_t e = 0; e < hd; e += 16) {
-    const __m512 rot = e < half ? _mm512_sub_ps(_mm512_setzero_ps(), load16(x + e + half)) : load16(x + e - half);
-    out[e / 16] = _mm512_add_ps(round_bf16(_mm512_mul_ps(load16(x + e), load16(cos + e))),
-                                round_bf16(_mm512_mul_ps(rot, load16(sin + e))));
+    const vf rot = e < half ? vsub(vzero(), load16(x + e + half)) : load16(x + e - half);
+    out[e / 16] = vadd(round_bf16(vmul(load16(x + e), load16(cos + e))),
+                                round_bf16(vmul(rot, load16(sin + e))));
   }
   for (int64_t e = 0; e < hd; e += 16) store16(x + e, out[e / 16]);
 }
@@ -135,21 +135,30 @@ class Attention {
       _tile_dpbf16ps(0, 1, 2);
     }
     _tile_stored(0, score, 64);
-#else  // the tile product on AVX-512 BF16: a key's pair broadcast against 16 query rows' pairs
-    __m512 acc[16];
-    for (auto& v : acc) v = _mm512_setzero_ps();
+#elif defined(__AVX512BF16__)  // the tile product on AVX-512 BF16: a key's pair broadcast against 16 query rows' pairs
+    vf acc[16];
+    for (auto& v : acc) v = vzero();
     const auto* a32 = reinterpret_cast<const uint32_t*>(a);
     const int64_t ks = hd_ / 2;  // pairs per key
     for (int64_t h = 0; h < halves; ++h) {
       const auto* q32 = reinterpret_cast<const uint32_t*>(qt + h * 512);
       for (int64_t p = 0; p < 16; ++p) {
-        const __m512i qrow = _mm512_loadu_si512(q32 + p * 16);
-        for (int u = 0; u < 16; ++u)
-          acc[u] = _mm512_dpbf16_ps(acc[u], (__m512bh)_mm512_set1_epi32(static_cast<int>(a32[u * ks + 16 * h + p])),
-                                    (__m512bh)qrow);
+        const vpairs qrow = vload_pairs(q32 + p * 16);
+        for (int u = 0; u < 16; ++u) acc[u] = vdot_pair(acc[u], a32[u * ks + 16 * h + p], qrow);
       }
     }
-    for (int u = 0; u < 16; ++u) _mm512_store_ps(score + u * 16, acc[u]);
+    for (int u = 0; u < 16; ++u) vstore(score + u * 16, acc[u]);
+#else  // AVX2: the same sums in the same order, one key at a time (16 accumulators would not fit its registers)
+    const auto* a32 = reinterpret_cast<const uint32_t*>(a);
+    const int64_t ks = hd_ / 2;
+    for (int u = 0; u < 16; ++u) {
+      vf acc = vzero();
+      for (int64_t h = 0; h < halves; ++h) {
+        const auto* q32 = reinterpret_cast<const uint32_t*>(qt + h * 512);
+        for (int64_t p = 0; p < 16; ++p) acc = vdot_pair(acc, a32[u * ks + 16 * h + p], vload_pairs(q32 + p * 16));
+      }
+      vstore(score + u * 16, acc);
+    }
 #endif
   }
 
@@ -181,41 +190,41 @@ class Attention {
         scores(a, qt_.data() + (kv * RB_ + rb) * halves * 512, halves, score + 16 * b * 16);
       }
       // per query row (a lane): the chunk's maximum, exponentials and their sum, in key order
-      const __m512 scale = _mm512_set1_ps(scale_);
-      __m512 best = _mm512_set1_ps(-INFINITY);
+      const vf scale = vset(scale_);
+      vf best = vset(-INFINITY);
       for (int64_t k = 0; k < count; ++k) {
-        const __mmask16 sees = k < cached ? valid : new_sees_[rb * n_ + (keys[k] - start_)];
-        const __m512 s = _mm512_mul_ps(_mm512_load_ps(score + k * 16), scale);
-        _mm512_store_ps(score + k * 16, s);
-        best = _mm512_mask_max_ps(best, sees, best, s);
+        const vmask sees = k < cached ? valid : new_sees_[rb * n_ + (keys[k] - start_)];
+        const vf s = vmul(vload(score + k * 16), scale);
+        vstore(score + k * 16, s);
+        best = vmax_where(best, sees, s);
       }
-      __m512 total = _mm512_setzero_ps();
+      vf total = vzero();
       for (int64_t k = 0; k < count; ++k) {
-        const __mmask16 sees = k < cached ? valid : new_sees_[rb * n_ + (keys[k] - start_)];
-        const __m512 p = _mm512_maskz_mov_ps(sees, exp16(_mm512_sub_ps(_mm512_load_ps(score + k * 16), best)));
-        _mm512_store_ps(score + k * 16, p);
-        total = _mm512_add_ps(total, p);
+        const vmask sees = k < cached ? valid : new_sees_[rb * n_ + (keys[k] - start_)];
+        const vf p = vkeep(sees, exp16(vsub(vload(score + k * 16), best)));
+        vstore(score + k * 16, p);
+        total = vadd(total, p);
       }
       const int64_t slot = (kv * chunks_ + c) * RB_ * 16 + rb * 16;
-      _mm512_storeu_ps(&part_m_[slot], best);
-      _mm512_storeu_ps(&part_s_[slot], total);
+      vstore(&part_m_[slot], best);
+      vstore(&part_s_[slot], total);
       // p·v, four query rows at a time (16 accumulators for hd 64; up to 4 x 16 for hd 256 in chunks of 64)
       for (int64_t r0 = 0; r0 < 16 && rb * 16 + r0 < R_; r0 += 4)
         for (int64_t e0 = 0; e0 < hd_; e0 += 64) {
           const int ne = static_cast<int>(std::min<int64_t>(4, (hd_ - e0) / 16));  // 4, or 2 for the last 32
-          __m512 o[4][4];
-          for (auto& orow : o) for (auto& x : orow) x = _mm512_setzero_ps();
+          vf o[4][4];
+          for (auto& orow : o) for (auto& x : orow) x = vzero();
           for (int64_t k = 0; k < count; ++k) {
             const bf16* v = vb + keys[k] * hd_ + e0;
-            __m512 vv[4];
+            vf vv[4];
             for (int e = 0; e < ne; ++e) vv[e] = load16(v + 16 * e);
             for (int u = 0; u < 4; ++u) {
-              const __m512 p = _mm512_set1_ps(score[k * 16 + r0 + u]);
-              for (int e = 0; e < ne; ++e) o[u][e] = _mm512_fmadd_ps(p, vv[e], o[u][e]);
+              const vf p = vset(score[k * 16 + r0 + u]);
+              for (int e = 0; e < ne; ++e) o[u][e] = vfma(p, vv[e], o[u][e]);
             }
           }
           for (int u = 0; u < 4; ++u)
-            for (int e = 0; e < ne; ++e) _mm512_storeu_ps(&part_o_[(slot + r0 + u) * hd_ + e0 + 16 * e], o[u][e]);
+            for (int e = 0; e < ne; ++e) vstore(&part_o_[(slot + r0 + u) * hd_ + e0 + 16 * e], o[u][e]);
         }
     }
   }
@@ -225,21 +234,21 @@ class Attention {
     const int64_t stride = RB_ * 16;
     float best = -INFINITY;
     for (int64_t c = 0; c < chunks_; ++c) best = std::max(best, part_m_[(kv * chunks_ + c) * stride + r]);
-    __m512 o[16];
-    for (int64_t e = 0; e < hd_ / 16; ++e) o[e] = _mm512_setzero_ps();
+    vf o[16];
+    for (int64_t e = 0; e < hd_ / 16; ++e) o[e] = vzero();
     float total = 0.f;
     for (int64_t c = 0; c < chunks_; ++c) {
       const int64_t slot = (kv * chunks_ + c) * stride + r;
       if (part_m_[slot] == -INFINITY) continue;  // the row sees no key of this chunk
-      const __m512 f = exp16(_mm512_set1_ps(part_m_[slot] - best));
-      total += part_s_[slot] * _mm512_cvtss_f32(f);
-      for (int64_t e = 0; e < hd_ / 16; ++e) o[e] = _mm512_fmadd_ps(f, _mm512_loadu_ps(&part_o_[slot * hd_ + 16 * e]), o[e]);
+      const vf f = exp16(vset(part_m_[slot] - best));
+      total += part_s_[slot] * vfirst(f);
+      for (int64_t e = 0; e < hd_ / 16; ++e) o[e] = vfma(f, vload(&part_o_[slot * hd_ + 16 * e]), o[e]);
     }
     const int64_t at = (r / group_) * H_ * hd_ + (kv * group_ + r % group_) * hd_;
-    const __m512 inv = _mm512_set1_ps(1.f / total);
+    const vf inv = vset(1.f / total);
     for (int64_t e = 0; e < hd_ / 16; ++e) {
-      if (out32 != nullptr) _mm512_storeu_ps(out32 + at + 16 * e, _mm512_mul_ps(o[e], inv));
-      else store16(out + at + 16 * e, _mm512_mul_ps(o[e], inv));
+      if (out32 != nullptr) vstore(out32 + at + 16 * e, vmul(o[e], inv));
+      else store16(out + at + 16 * e, vmul(o[e], inv));
     }
   }
 
@@ -339,9 +348,9 @@ std::vector<torch::Tensor> llama_forward(
     int64_t* tp = top.data_ptr<int64_t>();
     for (int64_t i = 0; i < n; ++i) {
       const bf16* row = lp + i * V;
-      __m512 best = _mm512_set1_ps(-INFINITY);
-      for (int64_t j = 0; j < V; j += 16) best = _mm512_max_ps(best, load16(row + j));
-      const float m = _mm512_reduce_max_ps(best);
+      vf best = vset(-INFINITY);
+      for (int64_t j = 0; j < V; j += 16) best = vmax(best, load16(row + j));
+      const float m = vmaxall(best);
       int64_t j = 0;
       while (static_cast<float>(row[j]) != m) ++j;
       tp[i] = j;

@@ -36,8 +36,14 @@ def machine() -> dict:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
+    from hyflash import kernels
+
+    try:
+        build = kernels.isa() if os.environ.get("HYFLASH_KERNELS", "1") != "0" else None
+    except HyflashError:  # a bad HYFLASH_KERNELS: the run that uses the kernels says so
+        build = None
     return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "torch": torch.__version__, "python": platform.python_version()}
+            "torch": torch.__version__, "python": platform.python_version(), "kernels": build or "off"}
 
 
 def git_commit() -> str:
