@@ -84,13 +84,18 @@ def test_generate_notes_when_bf16_greedy_output_may_leave_plain_decodings():
 
 
 @pytest.mark.skipif("avx2" not in kernels.builds() or kernels.amx() is None, reason="needs a CPU with AVX2 and FMA")
-def test_generate_notes_that_plain_decoding_may_be_faster_on_the_avx2_build():
+def test_generate_paces_by_default_and_notes_unpaced_drafting_on_the_avx2_build():
     best = kernels.builds()[0]
-    for build, drafter, noted in (("avx2", "ngram", True), ("avx2", "none", False), (best, "ngram", best == "avx2")):
+    for build, drafter, noted in (("avx2", "ngram", True), ("avx2", "none", False), ("avx2", "paced:ngram", False),
+                                  (best, "ngram", best == "avx2")):
         proc = hyflash("generate", "Hi", "--max-new-tokens", "3", "--drafter", drafter, HYFLASH_KERNELS=build)
         assert proc.returncode == 0, proc.stderr
-        assert ("--drafter none may be faster" in proc.stderr) == noted
+        assert ("plain decoding may be faster" in proc.stderr) == noted
         assert "near-ties" not in proc.stderr  # the output is exact on every build
+    for build in ("avx2", best):  # the default drafter
+        proc = hyflash("generate", "Name two fruits.", "--json", "--max-new-tokens", "12", HYFLASH_KERNELS=build)
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads(proc.stdout)["stats"]["drafter"] == ("paced:" if build == "avx2" else "") + "ngram+auto"
 
 
 def test_a_bad_hyflash_kernels_value_is_a_clean_error():

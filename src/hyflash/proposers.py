@@ -271,6 +271,79 @@ class LookupThenDrafter:
         return self.lookup.state_bytes() + self.drafter.state_bytes()
 
 
+class PacedProposer:
+    """Drafts with ``inner`` or takes a plain step, whichever has been committing more tokens per second.
+
+    Where verifying a block costs several single steps (our kernels' AVX2 build on few cores: no bf16 dot-product
+    instruction, so a verify of k tokens is compute-bound), speculation can be slower than plain decoding; where a
+    verify costs about one step (AMX, AVX-512 BF16) it is faster. Which holds depends on the machine and the text,
+    so this measures both as it goes: a round's time runs from one ``draft`` call to the next (drafting, the
+    target's verify, the commit), and its tokens are what ``commit`` receives. After ``warmup`` rounds each arm is
+    tried ``explore`` times in turn; then each round takes the arm with the higher average rate (an exponential
+    average, ``smoothing``), and every ``recheck`` rounds the other arm once, so a change (a longer context, a
+    stretch of copied text) is noticed. A plain step is an empty draft: the loop verifies the anchor alone. The
+    inner proposer commits every round either way, so its state is the one it would have had drafting throughout,
+    and the output is the target's own whatever the arms (greedy: token for token)."""
+
+    PLAIN, DRAFT = 0, 1
+
+    def __init__(self, inner, warmup: int = 2, explore: int = 3, recheck: int = 16, smoothing: float = 0.3,
+                 clock=None):
+        import time
+
+        self.inner, self.needs_features = inner, inner.needs_features
+        self.warmup, self.explore, self.recheck, self.smoothing = warmup, explore, recheck, smoothing
+        self.clock = clock or time.perf_counter
+        self._clear()
+
+    def reset(self, prompt_ids):
+        self.inner.reset(prompt_ids)
+        self._clear()
+
+    def _clear(self):
+        self.rate = [None, None]  # tokens per second, averaged
+        self.rounds = 0
+        self.arm_rounds = [0, 0]
+        self._arm = self._start = self._tokens = None
+
+    def _record(self, now: float):
+        if self._arm is None or self._tokens is None:
+            return
+        elapsed = max(now - self._start, 1e-9)
+        if self.rounds > self.warmup:  # the first rounds warm caches and the kernels' first calls
+            r, old = self._tokens / elapsed, self.rate[self._arm]
+            self.rate[self._arm] = r if old is None else old + self.smoothing * (r - old)
+        self._arm = self._tokens = None
+
+    def choose(self) -> int:
+        """The arm of the next round."""
+        n = self.rounds - self.warmup  # rounds since the warm-up
+        if n <= 0:
+            return self.DRAFT
+        if n <= 2 * self.explore:
+            return self.PLAIN if n % 2 else self.DRAFT
+        plain, drafting = self.rate
+        best = self.PLAIN if (drafting is None or (plain is not None and plain > drafting)) else self.DRAFT
+        return 1 - best if n % self.recheck == 0 else best
+
+    def draft(self, anchor: int, max_tokens: int, sampling: SamplingConfig) -> Draft:
+        now = self.clock()
+        self._record(now)
+        self.rounds += 1
+        arm = self.choose()
+        self._arm, self._start = arm, now
+        self.arm_rounds[arm] += 1
+        return self.inner.draft(anchor, max_tokens, sampling) if arm == self.DRAFT else Draft([])
+
+    def commit(self, token_ids, features):
+        self.inner.commit(token_ids, features)
+        if self._arm is not None:
+            self._tokens = len(token_ids)  # the anchor and the accepted drafted tokens
+
+    def state_bytes(self) -> int:
+        return self.inner.state_bytes()
+
+
 # The weights the C++ drafting path reads. int8 (a scale per output column) halves the bytes of a round: on MT-Bench
 # (80 first turns, 2026-11-30, benchmarks/RESULTS.md) the drafter's tree of 4 went from 1.27x to 1.33x plain decoding
 # and ngram+auto from 1.55x to 1.61x, keeping 99.8% of the bf16 weights' τ (1.647 vs 1.650).
@@ -310,7 +383,13 @@ def load_proposer(spec: str, target, block_size: int | None = None, seed: int | 
     ``auto#12``): greedy decoding verifies a tree of N candidate tokens instead of a chain (``#0``: a chain);
     ``tree`` likewise. Without either, a drafter sends a tree of ``DEFAULT_TREE`` nodes (an adaptive block length
     alone means a chain). A trailing ``:bf16`` or ``:int8`` (e.g. ``auto#4:int8``; ``weights`` likewise) chooses the
-    weights the C++ drafting path reads (``HyFlashProposer``; default ``DEFAULT_WEIGHTS``)."""
+    weights the C++ drafting path reads (``HyFlashProposer``; default ``DEFAULT_WEIGHTS``). ``paced:SPEC`` (e.g.
+    ``paced:ngram+auto``) drafts with SPEC or takes plain steps, whichever measures faster (``PacedProposer``)."""
+    if spec.startswith("paced:"):
+        inner = spec[len("paced:"):]
+        if inner in ("", "none"):
+            raise HyflashError("paced: needs a drafter after it, e.g. paced:ngram+auto")
+        return PacedProposer(load_proposer(inner, target, block_size, seed, confidence, tree, weights))
     spec, spec_weights = split_weights(spec)
     weights = spec_weights or weights or DEFAULT_WEIGHTS
     spec, spec_confidence, spec_tree = split_spec(spec)
