@@ -46,17 +46,25 @@ def test_paced_takes_the_faster_arm_and_keeps_the_targets_output(extra, drafting
     assert len(plain) == 80
     clock = [0.0]
     # drafting 3 right tokens a round: 4 tokens for 1 + extra time units, against 1 token for 1 unit plain
-    paced = PacedProposer(Oracle(plain, len(prompt), 3, clock, 1.0, extra), recheck=8, clock=lambda: clock[0])
+    paced = PacedProposer(Oracle(plain, len(prompt), 3, clock, 1.0, extra), clock=lambda: clock[0])
     out = generate(target, prompt, paced, max_new_tokens=80)
     assert out.token_ids == plain
     assert (paced.rate[PacedProposer.DRAFT] > paced.rate[PacedProposer.PLAIN]) == drafting_wins
     expected = 4 / (1 + extra)  # tokens per unit of drafting rounds, measured exactly on the fake clock
     assert paced.rate[PacedProposer.DRAFT] == pytest.approx(expected) and paced.rate[PacedProposer.PLAIN] == 1.0
-    # after the warm-up and 3 tries each, the better arm, with the other retried every 8 rounds
+    # after the warm-up and 4 tries each, the better arm, with the other retried every 8 rounds
     since_warmup = paced.rounds - paced.warmup
     worse = paced.arm_rounds[PacedProposer.PLAIN if drafting_wins else PacedProposer.DRAFT]
     assert since_warmup > 2 * paced.recheck
-    assert worse - paced.explore - (0 if drafting_wins else paced.warmup) == since_warmup // paced.recheck
+    rechecks = since_warmup // paced.recheck - 2 * paced.explore // paced.recheck  # those after the exploration
+    assert worse - paced.explore - (0 if drafting_wins else paced.warmup) == rechecks
+    # the next prompt keeps the rates (no new exploration), and the time between prompts counts for no arm
+    clock[0] += 1000.0
+    before = list(paced.arm_rounds)
+    assert generate(target, prompt, paced, max_new_tokens=80).token_ids == plain
+    assert paced.rate[PacedProposer.DRAFT] == pytest.approx(expected) and paced.rate[PacedProposer.PLAIN] == 1.0
+    better = PacedProposer.DRAFT if drafting_wins else PacedProposer.PLAIN
+    assert paced.arm_rounds[better] - before[better] >= (paced.rounds - sum(before)) * (1 - 1 / paced.recheck) - 1
 
 
 def test_paced_output_is_exact_with_a_real_proposer_and_real_time():

@@ -277,42 +277,47 @@ class PacedProposer:
     Where verifying a block costs several single steps (our kernels' AVX2 build on few cores: no bf16 dot-product
     instruction, so a verify of k tokens is compute-bound), speculation can be slower than plain decoding; where a
     verify costs about one step (AMX, AVX-512 BF16) it is faster. Which holds depends on the machine and the text,
-    so this measures both as it goes: a round's time runs from one ``draft`` call to the next (drafting, the
-    target's verify, the commit), and its tokens are what ``commit`` receives. After ``warmup`` rounds each arm is
-    tried ``explore`` times in turn; then each round takes the arm with the higher average rate (an exponential
-    average, ``smoothing``), and every ``recheck`` rounds the other arm once, so a change (a longer context, a
-    stretch of copied text) is noticed. A plain step is an empty draft: the loop verifies the anchor alone. The
-    inner proposer commits every round either way, so its state is the one it would have had drafting throughout,
-    and the output is the target's own whatever the arms (greedy: token for token)."""
+    so this measures both as it goes. A round's time runs from one ``draft`` call to the next (drafting, the
+    target's verify, the commit); its tokens are what ``commit`` receives. Each arm's rate is its tokens over its
+    time, both sums decayed by ``memory`` per round of that arm (a ratio of sums: a drafting round's tokens vary
+    from 1 to the block, and a mean of per-round rates would follow that noise). After ``warmup`` rounds each arm
+    is tried ``explore`` times in turn; then each round takes the faster arm — plain only when it is faster by more
+    than ``margin``, drafting being what was asked for — and every ``recheck`` rounds the other arm once, so a change
+    (a longer context, a stretch of copied text) is noticed. The rates carry over from one prompt to the next (the
+    machine's costs do not change with the prompt); ``reset`` only closes the round in flight.
+
+    A plain step is an empty draft: the loop verifies the anchor alone. The inner proposer commits every round
+    either way, so its state is the one it would have had drafting throughout, and the output is the target's own
+    whatever the arms (greedy: token for token)."""
 
     PLAIN, DRAFT = 0, 1
 
-    def __init__(self, inner, warmup: int = 2, explore: int = 3, recheck: int = 16, smoothing: float = 0.3,
-                 clock=None):
+    def __init__(self, inner, warmup: int = 2, explore: int = 4, recheck: int = 8, memory: float = 0.9,
+                 margin: float = 0.05, clock=None):
         import time
 
         self.inner, self.needs_features = inner, inner.needs_features
-        self.warmup, self.explore, self.recheck, self.smoothing = warmup, explore, recheck, smoothing
+        self.warmup, self.explore, self.recheck, self.memory, self.margin = warmup, explore, recheck, memory, margin
         self.clock = clock or time.perf_counter
-        self._clear()
-
-    def reset(self, prompt_ids):
-        self.inner.reset(prompt_ids)
-        self._clear()
-
-    def _clear(self):
-        self.rate = [None, None]  # tokens per second, averaged
+        self.tokens, self.seconds = [0.0, 0.0], [0.0, 0.0]  # decayed sums per arm
         self.rounds = 0
         self.arm_rounds = [0, 0]
         self._arm = self._start = self._tokens = None
 
+    @property
+    def rate(self) -> list[float | None]:
+        """Tokens per second of each arm (PLAIN, DRAFT) so far; None before its first measured round."""
+        return [t / s if s > 0 else None for t, s in zip(self.tokens, self.seconds)]
+
+    def reset(self, prompt_ids):
+        self.inner.reset(prompt_ids)
+        self._arm = self._start = self._tokens = None  # the prefill between two prompts is no round's time
+
     def _record(self, now: float):
-        if self._arm is None or self._tokens is None:
-            return
-        elapsed = max(now - self._start, 1e-9)
-        if self.rounds > self.warmup:  # the first rounds warm caches and the kernels' first calls
-            r, old = self._tokens / elapsed, self.rate[self._arm]
-            self.rate[self._arm] = r if old is None else old + self.smoothing * (r - old)
+        if self._arm is not None and self._tokens is not None and self.rounds > self.warmup:
+            a = self._arm  # (the first rounds warm caches and the kernels' first calls)
+            self.tokens[a] = self.memory * self.tokens[a] + self._tokens
+            self.seconds[a] = self.memory * self.seconds[a] + max(now - self._start, 1e-9)
         self._arm = self._tokens = None
 
     def choose(self) -> int:
@@ -323,7 +328,8 @@ class PacedProposer:
         if n <= 2 * self.explore:
             return self.PLAIN if n % 2 else self.DRAFT
         plain, drafting = self.rate
-        best = self.PLAIN if (drafting is None or (plain is not None and plain > drafting)) else self.DRAFT
+        faster_plain = drafting is None or (plain is not None and plain > drafting * (1 + self.margin))
+        best = self.PLAIN if faster_plain else self.DRAFT
         return 1 - best if n % self.recheck == 0 else best
 
     def draft(self, anchor: int, max_tokens: int, sampling: SamplingConfig) -> Draft:
