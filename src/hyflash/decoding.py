@@ -274,6 +274,7 @@ def generate(target, prompt_ids: list[int], proposer: Proposer | None = None, ma
     hist: Counter[int] = Counter()
     eos = target.eos_token_ids
     t_start = time.perf_counter()
+    proposer.reset(list(prompt_ids))  # first: what it needs of the prefill (features) may depend on its state
 
     if shared_prefill is not None:
         if list(shared_prefill.prompt_ids) != list(prompt_ids):
@@ -286,7 +287,6 @@ def generate(target, prompt_ids: list[int], proposer: Proposer | None = None, ma
         cache = target.new_cache(len(prompt_ids) + max_new_tokens + 1)
         last_logits, features = prompt_forward(target, prompt_ids, cache, proposer.needs_features)
     tree_ok = target.supports_tree and hasattr(cache, "capacity")  # else a drafted tree is cut to its chain
-    proposer.reset(list(prompt_ids))
     proposer.commit(list(prompt_ids), features if proposer.needs_features else None)
     anchor = int(torch.multinomial(target_probs(last_logits, sampling), 1, generator=sample_gen)) \
         if not sampling.greedy else int(last_logits.argmax())

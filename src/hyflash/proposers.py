@@ -286,6 +286,12 @@ class PacedProposer:
     (a longer context, a stretch of copied text) is noticed. The rates carry over from one prompt to the next (the
     machine's costs do not change with the prompt); ``reset`` only closes the round in flight.
 
+    Keeping the drafter ready costs a plain round something (the target's features, the drafter's commit). So when,
+    after the exploration and at least one drafting round of the current prompt, plain steps are faster by more
+    than ``retire``, drafting is retired for the rest of the prompt: ``needs_features`` turns False (the loop stops
+    computing features) and the inner proposer is no longer told the committed tokens, which is why it cannot draft
+    again before the next ``reset``.
+
     A plain step is an empty draft: the loop verifies the anchor alone. The inner proposer commits every round
     either way, so its state is the one it would have had drafting throughout, and the output is the target's own
     whatever the arms (greedy: token for token)."""
@@ -293,11 +299,12 @@ class PacedProposer:
     PLAIN, DRAFT = 0, 1
 
     def __init__(self, inner, warmup: int = 2, explore: int = 4, recheck: int = 8, memory: float = 0.9,
-                 margin: float = 0.05, clock=None):
+                 margin: float = 0.05, retire: float = 0.15, clock=None):
         import time
 
         self.inner, self.needs_features = inner, inner.needs_features
         self.warmup, self.explore, self.recheck, self.memory, self.margin = warmup, explore, recheck, memory, margin
+        self.retire, self.retired, self._drafted = retire, False, False
         self.clock = clock or time.perf_counter
         self.tokens, self.seconds = [0.0, 0.0], [0.0, 0.0]  # decayed sums per arm
         self.rounds = 0
@@ -312,6 +319,7 @@ class PacedProposer:
     def reset(self, prompt_ids):
         self.inner.reset(prompt_ids)
         self._arm = self._start = self._tokens = None  # the prefill between two prompts is no round's time
+        self.retired, self._drafted, self.needs_features = False, False, self.inner.needs_features
 
     def _record(self, now: float):
         if self._arm is not None and self._tokens is not None and self.rounds > self.warmup:
@@ -322,12 +330,19 @@ class PacedProposer:
 
     def choose(self) -> int:
         """The arm of the next round."""
+        if self.retired:
+            return self.PLAIN
         n = self.rounds - self.warmup  # rounds since the warm-up
         if n <= 0:
             return self.DRAFT
         if n <= 2 * self.explore:
             return self.PLAIN if n % 2 else self.DRAFT
+        if not self._drafted:  # a new prompt: its first round drafts, so each prompt has a say
+            return self.DRAFT
         plain, drafting = self.rate
+        if plain is not None and drafting is not None and plain > drafting * (1 + self.retire):
+            self.retired, self.needs_features = True, False
+            return self.PLAIN
         faster_plain = drafting is None or (plain is not None and plain > drafting * (1 + self.margin))
         best = self.PLAIN if faster_plain else self.DRAFT
         return 1 - best if n % self.recheck == 0 else best
@@ -339,10 +354,12 @@ class PacedProposer:
         arm = self.choose()
         self._arm, self._start = arm, now
         self.arm_rounds[arm] += 1
+        self._drafted |= arm == self.DRAFT
         return self.inner.draft(anchor, max_tokens, sampling) if arm == self.DRAFT else Draft([])
 
     def commit(self, token_ids, features):
-        self.inner.commit(token_ids, features)
+        if not self.retired:
+            self.inner.commit(token_ids, features)
         if self._arm is not None:
             self._tokens = len(token_ids)  # the anchor and the accepted drafted tokens
 
