@@ -1,6 +1,6 @@
 """Weights packed once for fast inference on CPU (the target's fast path and the drafter).
 
-Two layouts, chosen once per weight: on CPUs with AMX or AVX-512 BF16, our kernel's tile layout (``hyflash.kernels``),
+Two layouts, chosen once per weight: on x86-64 CPUs with AMX, AVX-512 BF16 or AVX2, our kernel's tile layout (``hyflash.kernels``),
 used for the 1-16 rows that decoding, verification and drafting multiply (larger inputs, i.e. prefill, take torch's own matmul);
 elsewhere oneDNN's blocked layout for every input.
 """
@@ -50,7 +50,7 @@ class PackedLinear:
 
     @property
     def kernel(self) -> str:
-        """Which matmul serves 1-16 rows: our kernels' build ("amx" or "avx512-bf16"), "onednn" or "plain"."""
+        """Which matmul serves 1-16 rows: our kernels' build ("amx", "avx512-bf16" or "avx2"), "onednn" or "plain"."""
         return kernels.isa() if self.amx is not None else "onednn" if self.packed is not None else "plain"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
