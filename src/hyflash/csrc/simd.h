@@ -56,26 +56,6 @@ inline void store16(bf16* p, vf x) {  // round to bf16 and store 16 values
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(x));
 }
 
-// e^x for 16 floats (|error| ~1 ulp): e^x = 2^k * e^r with k = round(x / ln 2), |r| <= ln(2) / 2, a degree-6
-// Taylor polynomial for e^r, and scalef for 2^k. Inputs below -87 (and -inf) give 0.
-inline vf exp16(vf x) {
-  const __m512 lo = _mm512_set1_ps(-87.f);
-  const __mmask16 zero = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
-  x = _mm512_min_ps(_mm512_max_ps(x, lo), _mm512_set1_ps(88.f));
-  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_maskz_mov_ps(~zero, _mm512_scalef_ps(p, k));
-}
-
 // 16 pairs of bf16 (uint32 each, the even element in the low half) and the product with one broadcast pair
 using vpairs = __m512i;
 inline vpairs vload_pairs(const uint32_t* p) { return _mm512_loadu_si512(p); }
@@ -183,29 +163,6 @@ inline void store16(bf16* p, vf x) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), packed);
 }
 
-// e^x as the AVX-512 build computes it, with 2^k built in the exponent bits (k in [-126, 127] after the clamp)
-inline __m256 exp8(__m256 x) {
-  const __m256 lo = _mm256_set1_ps(-87.f);
-  const __m256 zero = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-  x = _mm256_min_ps(_mm256_max_ps(x, lo), _mm256_set1_ps(88.f));
-  const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.f / 720);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-  const __m256 two_k = _mm256_castsi256_ps(
-      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23));
-  return _mm256_andnot_ps(zero, _mm256_mul_ps(p, two_k));
-}
-
-inline vf exp16(vf x) { return {exp8(x.lo), exp8(x.hi)}; }
-
 // 16 pairs of bf16, widened: the even elements (low halves) and the odd ones, as fp32
 struct vpairs {
   vf even, odd;
@@ -246,6 +203,55 @@ inline void widen16_q8(const int8_t* c, uint16_t* out) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, hi), 0xD8));
 }
 
+#endif
+
+// e^x for 16 floats (|error| ~1 ulp): e^x = 2^k * e^r with k = round(x / ln 2), |r| <= ln(2) / 2, a degree-6
+// Taylor polynomial for e^r (below, shared), and 2^k applied exactly. Inputs below -87 (and -inf) give 0.
+inline vf exp_poly(vf r) {  // e^r for |r| <= ln(2) / 2
+  vf p = vset(1.f / 720);
+  p = vfma(p, r, vset(1.f / 120));
+  p = vfma(p, r, vset(1.f / 24));
+  p = vfma(p, r, vset(1.f / 6));
+  p = vfma(p, r, vset(0.5f));
+  p = vfma(p, r, vset(1.f));
+  return vfma(p, r, vset(1.f));
+}
+
+#ifdef __AVX512F__
+inline vf exp16(vf x) {
+  const __m512 lo = _mm512_set1_ps(-87.f);
+  const __mmask16 zero = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+  x = _mm512_min_ps(_mm512_max_ps(x, lo), _mm512_set1_ps(88.f));
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
+  return _mm512_maskz_mov_ps(~zero, _mm512_scalef_ps(exp_poly(r), k));
+}
+#else
+// per half: the clamp, k and r as the AVX-512 build computes them; 2^k built in the exponent bits (k in
+// [-126, 127] after the clamp), so p * 2^k is exact as scalef's is
+inline __m256 exp_reduce(__m256 x, __m256& k, __m256& zero) {
+  const __m256 lo = _mm256_set1_ps(-87.f);
+  zero = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_min_ps(_mm256_max_ps(x, lo), _mm256_set1_ps(88.f));
+  k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);
+  return _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);
+}
+
+inline __m256 exp_scale(__m256 p, __m256 k, __m256 zero) {
+  const __m256 two_k = _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23));
+  return _mm256_andnot_ps(zero, _mm256_mul_ps(p, two_k));
+}
+
+inline vf exp16(vf x) {
+  __m256 k0, k1, z0, z1;
+  const vf r = {exp_reduce(x.lo, k0, z0), exp_reduce(x.hi, k1, z1)};
+  const vf p = exp_poly(r);
+  return {exp_scale(p.lo, k0, z0), exp_scale(p.hi, k1, z1)};
+}
 #endif
 
 inline void add_into(bf16* h, const bf16* y, int64_t count) {  // h = bf16(h + y); count a multiple of 16
