@@ -67,16 +67,18 @@ MODULE_NAMES = {"amx": NAME, "avx512-bf16": NAME + "_avx512bf16", "avx2": NAME +
 
 def builds() -> list[str]:
     """The builds this CPU can run, best first (empty off x86-64 Linux or without AVX2 and FMA)."""
-    runs = {"amx": cpu_has_amx(), "avx512-bf16": cpu_has_avx512_bf16(), "avx2": cpu_has_avx2()}
-    return [b for b in BUILDS if runs[b]]
+    runs = {"amx": cpu_has_amx, "avx512-bf16": cpu_has_avx512_bf16, "avx2": cpu_has_avx2}
+    return [b for b in BUILDS if runs[b]()]
 
 
 def isa() -> str | None:
     """Which build of the kernels this process gets: "amx", "avx512-bf16", "avx2", or None (no kernels; oneDNN).
 
-    The CPU's best, or the build ``HYFLASH_KERNELS`` names when the CPU can run it."""
-    runnable = builds()
+    The CPU's best, the build ``HYFLASH_KERNELS`` names when the CPU can run it, or None when it is 0."""
     wanted = os.environ.get("HYFLASH_KERNELS", "1")
+    if wanted == "0":
+        return None
+    runnable = builds()
     if wanted in BUILDS:
         if wanted not in runnable:
             raise HyflashError(f"HYFLASH_KERNELS={wanted}: this CPU cannot run that build "
@@ -90,8 +92,6 @@ def isa() -> str | None:
 @functools.cache
 def amx():
     """The compiled module (``init``, ``pack``, ``linear``, ``llama_forward``, ``drafter_commit``, ``drafter_draft``), or None when it is unavailable (see the module)."""
-    if os.environ.get("HYFLASH_KERNELS", "1") == "0":
-        return None
     build = isa()
     if build is None:
         return None

@@ -7,6 +7,7 @@ from the anchor without changing what it has committed.
 from __future__ import annotations
 
 import heapq
+import time
 from pathlib import Path
 
 import torch
@@ -300,8 +301,6 @@ class PacedProposer:
 
     def __init__(self, inner, warmup: int = 2, explore: int = 4, recheck: int = 8, memory: float = 0.9,
                  margin: float = 0.05, retire: float = 0.15, clock=None):
-        import time
-
         self.inner, self.needs_features = inner, inner.needs_features
         self.warmup, self.explore, self.recheck, self.memory, self.margin = warmup, explore, recheck, memory, margin
         self.retire, self.retired, self._drafted = retire, False, False

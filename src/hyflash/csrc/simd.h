@@ -174,14 +174,6 @@ inline vpairs vload_pairs(const uint32_t* p) {
   return {{_mm256_castsi256_ps(_mm256_slli_epi32(a, 16)), _mm256_castsi256_ps(_mm256_slli_epi32(b, 16))},
           {_mm256_castsi256_ps(_mm256_and_si256(a, high)), _mm256_castsi256_ps(_mm256_and_si256(b, high))}};
 }
-inline vf vdot_pair(vf c, uint32_t a, const vpairs& b) {  // the odd product first, as VDPBF16PS is specified
-  const uint32_t even = a << 16, odd = a & 0xFFFF0000u;
-  float fe, fo;
-  std::memcpy(&fe, &even, 4);
-  std::memcpy(&fo, &odd, 4);
-  return vfma(vset(fe), b.even, vfma(vset(fo), b.odd, c));
-}
-
 // The rows of x as the matmul reads them on AVX2: widened to fp32 once per call (pair kp at 2 kp, 2 kp + 1), so
 // that each product broadcasts its operand straight from memory
 using xpair = float;
@@ -191,8 +183,16 @@ inline const xpair* matmul_rows(const bf16* x, int64_t count, std::vector<float>
   for (int64_t i = 0; i < count; i += 16) vstore(scratch.data() + i, load16(x + i));
   return scratch.data();
 }
-inline vf vdot(vf c, const xpair* a, const vpairs& b) {  // as vdot_pair, with a's pair already widened
+// c + a.even * b.even + a.odd * b.odd lane by lane, a's pair already widened: the odd product first, as
+// VDPBF16PS is specified
+inline vf vdot(vf c, const xpair* a, const vpairs& b) {
   return vfma(vset(a[0]), b.even, vfma(vset(a[1]), b.odd, c));
+}
+inline vf vdot_pair(vf c, uint32_t a, const vpairs& b) {  // the same with a's pair as bf16 bits
+  const uint32_t halves[2] = {a << 16, a & 0xFFFF0000u};
+  float widened[2];
+  std::memcpy(widened, halves, sizeof widened);
+  return vdot(c, widened, b);
 }
 
 inline void widen16_q8(const int8_t* c, uint16_t* out) {

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from hyflash import HyflashError
+from hyflash import HyflashError, kernels
 from hyflash.evaluation import suites as S
 
 FORMAT = 1
@@ -36,10 +36,8 @@ def machine() -> dict:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    from hyflash import kernels
-
     try:
-        build = kernels.isa() if os.environ.get("HYFLASH_KERNELS", "1") != "0" else None
+        build = kernels.isa()
     except HyflashError:  # a bad HYFLASH_KERNELS: the run that uses the kernels says so
         build = None
     return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
