@@ -83,19 +83,22 @@ def test_generate_notes_when_bf16_greedy_output_may_leave_plain_decodings():
     assert quiet.returncode == 0 and "near-ties" not in quiet.stderr
 
 
-@pytest.mark.skipif("avx2" not in kernels.builds() or kernels.amx() is None, reason="needs a CPU with AVX2 and FMA")
-def test_generate_paces_by_default_and_notes_unpaced_drafting_on_the_avx2_build():
-    best = kernels.builds()[0]
-    for build, drafter, noted in (("avx2", "ngram", True), ("avx2", "none", False), ("avx2", "paced:ngram", False),
-                                  (best, "ngram", best == "avx2")):
+SLOW_VERIFY = [b for b in kernels.builds() if b in kernels.PAIRS_BY_FMA]  # avx2 on x86, neon on Arm
+
+
+@pytest.mark.skipif(not SLOW_VERIFY or kernels.amx() is None, reason="needs a CPU with AVX2 and FMA, or 64-bit Arm")
+def test_generate_paces_by_default_and_notes_unpaced_drafting_on_the_builds_without_bf16_dot_products():
+    slow, best = SLOW_VERIFY[0], kernels.builds()[0]
+    for build, drafter, noted in ((slow, "ngram", True), (slow, "none", False), (slow, "paced:ngram", False),
+                                  (best, "ngram", best == slow)):
         proc = hyflash("generate", "Hi", "--max-new-tokens", "3", "--drafter", drafter, HYFLASH_KERNELS=build)
         assert proc.returncode == 0, proc.stderr
         assert ("plain decoding may be faster" in proc.stderr) == noted
         assert "near-ties" not in proc.stderr  # the output is exact on every build
-    for build in ("avx2", best):  # the default drafter
+    for build in (slow, best):  # the default drafter
         proc = hyflash("generate", "Name two fruits.", "--json", "--max-new-tokens", "12", HYFLASH_KERNELS=build)
         assert proc.returncode == 0, proc.stderr
-        assert json.loads(proc.stdout)["stats"]["drafter"] == ("paced:" if build == "avx2" else "") + "ngram+auto"
+        assert json.loads(proc.stdout)["stats"]["drafter"] == ("paced:" if build == slow else "") + "ngram+auto"
 
 
 def test_a_bad_hyflash_kernels_value_is_a_clean_error():

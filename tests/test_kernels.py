@@ -108,6 +108,11 @@ def test_the_cpu_flags_choose_the_build_and_none_means_no_kernel(monkeypatch):
         monkeypatch.setattr(kernels, "cpu_flags", lambda f=flags: f)
         assert kernels.isa() == build
     assert kernels.builds() == []
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset())  # as it reads off x86
+    for system, machine, build in (("Linux", "aarch64", "neon"), ("Darwin", "arm64", None), ("Linux", "armv7l", None)):
+        monkeypatch.setattr(kernels.platform, "system", lambda s=system: s)
+        monkeypatch.setattr(kernels.platform, "machine", lambda m=machine: m)
+        assert kernels.isa() == build and kernels.builds() == ([build] if build else [])
     kernels.amx.cache_clear()
     try:
         assert kernels.amx() is None

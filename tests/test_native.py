@@ -1,8 +1,10 @@
 """Our C++ paths (hyflash.kernels): the Llama forward (fast.LeanLlama) and the drafter's commit and draft
 (drafter.state.DrafterState) against the torch code they replace, in bf16 on CPUs with AMX; and the property that makes
 bf16 speculative decoding exact on them: a token's result does not depend on how many tokens are verified together.
-Each test runs once per build this CPU can run (tests/conftest.py ``each_build``); where the AVX-512 BF16 and AVX2
-builds both run, they are also compared with each other."""
+Each test runs once per build this CPU can run (tests/conftest.py ``each_build``), and every build but AMX is
+compared with reference bits computed by the AVX-512 BF16 build (tests/fixtures/kernel_bits.safetensors)."""
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -140,7 +142,7 @@ def test_native_forward_returns_each_rows_argmax_and_checks_the_tree():
         target.lean.forward(torch.tensor([1, 2, 3]), cache, None, parents=[0, 2])
 
 
-def _bf16_drafter(target, variant="hyflash", window=6):
+def _bf16_drafter(target, variant="hyflash", window=6, pack=True):
     torch.manual_seed(0)
     cfg = DrafterConfig(variant=variant, num_layers=2, block_size=4, window=window, hidden_size=128, num_heads=4,
                         num_kv_heads=2, head_dim=32, intermediate_size=256, memory_heads=2, memory_head_dim=16,
@@ -149,7 +151,8 @@ def _bf16_drafter(target, variant="hyflash", window=6):
     with torch.no_grad():  # livelier than the zero-initialised defaults, so every branch matters
         for p in drafter.parameters():
             p.add_(torch.randn_like(p) * 0.05)
-    drafter.pack_for_inference()
+    if pack:
+        drafter.pack_for_inference()
     return drafter
 
 
@@ -280,32 +283,56 @@ def test_lookup_then_drafter_grafts_weak_matches_onto_the_tree_and_stays_exact()
         assert combo.graft_rounds > 0
 
 
-@pytest.mark.skipif(not {"avx512-bf16", "avx2"} <= set(kernels.builds()), reason="needs a CPU that runs both builds")
-def test_the_avx2_build_gives_the_bits_of_the_avx512_bf16_build(each_build, monkeypatch):
-    """The AVX2 build's pair products (two FMAs, the odd product first) are VDPBF16PS as it is specified, and its
-    reductions follow the same tree, so on a CPU that runs both the forward, the drafter and their matmuls agree
-    bit for bit: the AVX2 build is checked against the one whose exactness the other tests establish."""
-    if each_build != "avx2":
-        pytest.skip("one comparison is enough")
-    from hyflash.drafter.state import DrafterState
+REFERENCE = Path(__file__).parent / "fixtures" / "kernel_bits.safetensors"
 
-    results = {}
-    for build in ("avx512-bf16", "avx2"):
-        monkeypatch.setenv("HYFLASH_KERNELS", build)
-        kernels.amx.cache_clear()
-        target = bf16_llama(seed=4)
-        drafter = _bf16_drafter(target)
-        cache = target.new_cache(160)
-        target.forward(torch.randint(1, 63, (70,), generator=torch.Generator().manual_seed(4)), cache)
-        chain = target.forward(torch.tensor([3, 14, 15, 9]), cache)
-        tree = target.forward(torch.tensor([5, 6, 7, 8, 9]), cache, parents=[0, 0, 1, 1])
-        state = DrafterState(drafter)
-        state.commit(chain.features)
-        state.commit(tree.features[:3])
-        g = torch.Generator().manual_seed(5)
-        w, x = torch.randn(200, 96, generator=g).bfloat16(), torch.randn(13, 96, generator=g).bfloat16()
-        amx = kernels.amx()
-        results[build] = [chain.logits, chain.features, tree.logits, state.draft_logits(7),
-                          amx.linear(x, amx.pack(w)), amx.linear(x, amx.pack_q8(w))]
-    for a, b in zip(results["avx512-bf16"], results["avx2"]):
-        assert torch.equal(a, b)
+
+def reference_outputs(target, drafter) -> dict[str, torch.Tensor]:
+    """What the reference-bits test compares: the forward's logits and features (a chain and a tree), the drafter's
+    draft logits after two commits and their top probabilities, and bf16 and int8 matmuls of 13 rows."""
+    cache = target.new_cache(160)
+    target.forward(torch.arange(70) * 7 % 61 + 1, cache)  # inputs from integer arithmetic: the same on every CPU
+    chain = target.forward(torch.tensor([3, 14, 15, 9]), cache)
+    tree = target.forward(torch.tensor([5, 6, 7, 8, 9]), cache, parents=[0, 0, 1, 1])
+    state = DrafterState(drafter)
+    state.commit(chain.features)
+    state.commit(tree.features[:3])
+    draft = state.draft_logits(7)
+    amx = kernels.amx()
+    w, x = drafter.head_weight[:, :96].contiguous(), target.model.model.embed_tokens.weight[:13, :96].contiguous()
+    probs, index = amx.top_probs(draft, 3)
+    return {"chain_logits": chain.logits, "chain_features": chain.features, "tree_logits": tree.logits,
+            "draft_logits": draft, "top_probs": probs, "top_index": index, "linear_bf16": amx.linear(x, amx.pack(w)),
+            "linear_int8": amx.linear(x, amx.pack_q8(w))}
+
+
+def reference_models(weights: dict[str, torch.Tensor] | None = None):
+    """The tiny bf16 target and drafter of the reference-bits test, with ``weights`` (the fixture's) or freshly
+    initialised → (target, drafter, their weights as the fixture stores them)."""
+    target = tiny_llama(vocab=64, hidden=128, layers=2, seed=4, dtype=torch.bfloat16)
+    if weights is not None:
+        target.model.load_state_dict({k[len("target."):]: v for k, v in weights.items() if k.startswith("target.")})
+    target.use_fast_path()
+    drafter = _bf16_drafter(target, pack=False)
+    if weights is not None:
+        drafter.load_state_dict({k[len("drafter."):]: v for k, v in weights.items() if k.startswith("drafter.")})
+    stored = {f"{name}.{k}": v.detach().clone().contiguous() for name, module in (("target", target.model),
+              ("drafter", drafter)) for k, v in module.state_dict().items()}
+    drafter.pack_for_inference()
+    return target, drafter, stored
+
+
+def test_every_build_gives_the_reference_bits(each_build):
+    """The fixture (tests/fixtures/make_kernel_bits.py) holds a tiny target's and drafter's weights and what the
+    AVX-512 BF16 build computes from them, whose exactness the other tests establish. The AVX2 build (pair products
+    as two FMAs, the odd one first, as VDPBF16PS is specified; the same reduction trees) and the NEON build (the
+    AVX2 build's operations on 128-bit registers) must give the same bits, so each of them is checked against it on
+    whatever CPU runs the tests, Arm included. (The AMX build accumulates its tiles in its own order.)"""
+    if each_build == "amx":
+        pytest.skip("the AMX build is checked against itself, not against the reference")
+    from safetensors.torch import load_file
+
+    fixture = load_file(REFERENCE)
+    target, drafter, _ = reference_models({k: v for k, v in fixture.items() if not k.startswith("out.")})
+    got = reference_outputs(target, drafter)
+    for name, value in got.items():
+        assert torch.equal(value, fixture["out." + name]), name

@@ -41,7 +41,7 @@ def cli():
                    "length, e.g. auto@0.05) or #N (greedy: verify a tree of N candidates, e.g. auto#12). "
                    "paced:SPEC drafts with SPEC or takes plain steps, whichever measures faster. "
                    "Default: ngram+auto where a drafter ships for the target (the fastest we measured), else ngram; "
-                   "paced:ngram+auto on the AVX2 build of our kernels, where a verify costs several steps.")
+                   "paced:ngram+auto on the AVX2 and NEON builds of our kernels, where a verify costs several steps.")
 @click.option("--max-new-tokens", default=128, show_default=True, type=int)
 @click.option("--temperature", default=0.0, show_default=True, type=float, help="0 = greedy.")
 @click.option("--top-k", default=0, show_default=True, type=int)
@@ -66,21 +66,22 @@ def generate(prompt, target, drafter, max_new_tokens, temperature, top_k, top_p,
 
     tgt = Target.load(target, dtype=dtype, threads=threads, fast=fast)
     shipped = shipped_drafter_path(tgt) is not None
-    avx2 = getattr(getattr(tgt, "lean", None), "native", None) is not None and kernels.isa() == "avx2"
+    build = kernels.isa() if getattr(getattr(tgt, "lean", None), "native", None) is not None else None
+    slow_verify = build in kernels.PAIRS_BY_FMA
     if drafter is None:
-        drafter = ("paced:" if avx2 else "") + ("ngram+auto" if shipped else "auto")
+        drafter = ("paced:" if slow_verify else "") + ("ngram+auto" if shipped else "auto")
     if drafter == "auto" and not shipped:
         click.echo(f"hyflash: no drafter shipped for {tgt.name} yet; drafting with prompt lookup (ngram)", err=True)
     proposer = load_proposer(drafter, tgt, seed=seed)
     ids = tgt.encode(prompt, chat=chat)
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     if drafter != "none" and sampling.greedy and not tgt.bitwise_verify:
-        click.echo("hyflash: note: without our C++ kernels (they need an x86-64 CPU with AVX2 and FMA, and a C++ compiler), bf16 verification rounds "
-                   "differently from single steps, so greedy output can differ from --drafter none at near-ties; "
+        click.echo("hyflash: note: without our C++ kernels (they need Linux on an x86-64 CPU with AVX2 and FMA or "
+                   "on 64-bit Arm, and a C++ compiler), bf16 verification rounds differently from single steps, so greedy output can differ from --drafter none at near-ties; "
                    "--dtype fp32 keeps it identical", err=True)
-    if avx2 and drafter != "none" and not drafter.startswith("paced:"):
-        click.echo(f"hyflash: note: on the AVX2 build of our kernels (no bf16 dot-product instructions), verifying a "
-                   f"block of drafted tokens costs several single steps on few cores, so plain decoding may be faster "
+    if slow_verify and drafter != "none" and not drafter.startswith("paced:"):
+        click.echo(f"hyflash: note: on the {build.upper()} build of our kernels (no bf16 dot-product instructions), "
+                   f"verifying a block of drafted tokens costs several single steps on few cores, so plain decoding may be faster "
                    f"here; --drafter paced:{drafter} takes whichever measures faster (output is identical either way)",
                    err=True)
     streamer = None if as_json else _TextStreamer(tgt)

@@ -2,15 +2,17 @@
 decoder's whole forward over up to 16 new tokens built on it (lean_llama.cpp, used by ``fast.LeanLlama``), and the
 HyFlash drafter's commit and draft (drafter.cpp, used by ``drafter.state.DrafterState``).
 
-They come in three builds, chosen by the CPU: on AMX tiles (Intel Sapphire Rapids and later); where a CPU has
-AVX-512 BF16 but no tiles (AMD Zen 4 and later, Intel Cooper Lake), on VDPBF16PS; and on AVX2 with FMA (x86-64-v3:
-most laptops' Intel and AMD CPUs since 2013–2015), where each bf16 pair product is two FMAs on widened values
-(csrc/simd.h). In every build each output element is one fp32 sum taken in the same order whatever the number of
-rows, so verifying k drafted tokens gives each token the bits a 1-token step would: greedy speculative decoding in
-bf16 is token-identical to plain decoding. (Different builds may differ from each other in the last bit.)
+They come in four builds, chosen by the CPU: on AMX tiles (Intel Sapphire Rapids and later); where a CPU has
+AVX-512 BF16 but no tiles (AMD Zen 4 and later, Intel Cooper Lake), on VDPBF16PS; on AVX2 with FMA (x86-64-v3:
+most laptops' Intel and AMD CPUs since 2013–2015), where each bf16 pair product is two FMAs on widened values; and
+on NEON (64-bit Arm Linux: phones, Arm boards and servers), the AVX2 build's scheme on 128-bit registers, which gives
+the AVX2 build's bits (csrc/simd.h). In every build each output element is one fp32 sum taken in the same order
+whatever the number of rows, so verifying k drafted tokens gives each token the bits a 1-token step would: greedy
+speculative decoding in bf16 is token-identical to plain decoding. (The AVX-512 builds may differ from the other two
+in the last bit.) macOS is not built: Apple's compiler has no OpenMP, which the build uses.
 
-``amx()`` returns the compiled module, or None where it cannot run — not x86-64 Linux, not even AVX2 and FMA in the
-CPU's flags, no C++ compiler, a failed build, or ``HYFLASH_KERNELS=0`` — and callers then use oneDNN
+``amx()`` returns the compiled module, or None where it cannot run — neither x86-64 nor AArch64 Linux, an x86 CPU
+without AVX2 and FMA in its flags, no C++ compiler, a failed build, or ``HYFLASH_KERNELS=0`` — and callers then use oneDNN
 (``hyflash.packed``). ``HYFLASH_KERNELS=avx2`` (or ``avx512-bf16``) picks a lesser build than the CPU's best, to
 test it. ``isa()`` says which build. The build (under a minute on 2 cores, once) goes to torch's extension cache
 (``TORCH_EXTENSIONS_DIR``, by default under ~/.cache).
@@ -58,16 +60,25 @@ def cpu_has_avx2() -> bool:
     return {"avx2", "fma"} <= cpu_flags()
 
 
-BUILDS = ("amx", "avx512-bf16", "avx2")  # best first
+def cpu_is_aarch64_linux() -> bool:
+    """64-bit Arm Linux, where NEON (Advanced SIMD, with FMA) is part of the base architecture."""
+    return platform.system() == "Linux" and platform.machine() in ("aarch64", "arm64")
+
+
+BUILDS = ("amx", "avx512-bf16", "avx2", "neon")  # best first (an x86 CPU runs some of the first three, Arm the last)
 FLAGS = {"amx": ["-mavx512f", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"],
          "avx512-bf16": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"],
-         "avx2": ["-mavx2", "-mfma"]}
-MODULE_NAMES = {"amx": NAME, "avx512-bf16": NAME + "_avx512bf16", "avx2": NAME + "_avx2"}
+         "avx2": ["-mavx2", "-mfma"],
+         "neon": []}  # the AArch64 baseline
+MODULE_NAMES = {"amx": NAME, "avx512-bf16": NAME + "_avx512bf16", "avx2": NAME + "_avx2", "neon": NAME + "_neon"}
+# Builds whose bf16 pair product is two FMAs (no bf16 dot-product instruction): a verify of k tokens is compute-bound
+# on few cores and costs several single steps, which is why ``hyflash generate`` paces drafting there.
+PAIRS_BY_FMA = ("avx2", "neon")
 
 
 def builds() -> list[str]:
-    """The builds this CPU can run, best first (empty off x86-64 Linux or without AVX2 and FMA)."""
-    runs = {"amx": cpu_has_amx, "avx512-bf16": cpu_has_avx512_bf16, "avx2": cpu_has_avx2}
+    """The builds this CPU can run, best first (empty off x86-64 and AArch64 Linux, or on x86 without AVX2 and FMA)."""
+    runs = {"amx": cpu_has_amx, "avx512-bf16": cpu_has_avx512_bf16, "avx2": cpu_has_avx2, "neon": cpu_is_aarch64_linux}
     return [b for b in BUILDS if runs[b]()]
 
 

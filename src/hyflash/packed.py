@@ -50,7 +50,7 @@ class PackedLinear:
 
     @property
     def kernel(self) -> str:
-        """Which matmul serves 1-16 rows: our kernels' build ("amx", "avx512-bf16" or "avx2"), "onednn" or "plain"."""
+        """Which matmul serves 1-16 rows: our kernels' build (``kernels.BUILDS``: "amx", "avx512-bf16", "avx2" or "neon"), "onednn" or "plain"."""
         return kernels.isa() if self.amx is not None else "onednn" if self.packed is not None else "plain"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

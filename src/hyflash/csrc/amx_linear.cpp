@@ -10,7 +10,9 @@
 // of drafted tokens costs about what one token does. Accumulation is fp32, the result is rounded to bf16 once.
 #include "amx.h"
 #include "simd.h"
+#if defined(__x86_64__)
 #include <immintrin.h>
+#endif
 #include <sys/mman.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -32,7 +34,7 @@ void configure(int64_t M) {
 }
 #else
 // Without tiles: R rows of x against NB 16-column blocks, each output element one fp32 accumulator that takes
-// k's pairs in order (vdot_pair of simd.h: VDPBF16PS, or two FMAs on AVX2: x's pair broadcast against 16 columns'
+// k's pairs in order (vdot_pair of simd.h: VDPBF16PS, or two FMAs on AVX2 and NEON: x's pair broadcast against 16 columns'
 // pairs). The sum an element gets does not depend on how many rows are multiplied with it, so verifying k tokens
 // gives each the bits a 1-token step would.
 // x: rows of x (matmul_rows of simd.h; stride xs elements, kPairStep a pair); w[u]: block u's pairs in kernel order ([K/2][16] uint32);
@@ -59,6 +61,7 @@ inline void dp_rows(const hyflash::xpair* x, int64_t xs, int64_t K2, const uint3
 constexpr int kRowGroup = 6;  // 6 rows x 4 blocks: 24 accumulators in AVX-512's 32 registers
 #else
 constexpr int kRowGroup = 4;  // AVX2: 4 rows x 1 block x 2 halves, plus the block's 4 widened halves, in 16
+                               // (NEON, the same code: 16 quarters plus 8, in its 32)
 #endif
 
 template <int NB>
@@ -80,7 +83,7 @@ inline void dp_rows_nb(const hyflash::xpair* x32, int64_t xs, int64_t K2, int64_
 }
 
 // all M rows of x (stride xs pairs; in groups of kRowGroup) against nb <= 4 blocks over K2 pairs of k, into
-// acc [M x 64]; on AVX2 one block at a time (its registers hold one block's accumulators)
+// acc [M x 64]; on AVX2 (and NEON) one block at a time (its registers hold one block's accumulators)
 inline void dp_block_group(const hyflash::xpair* x32, int64_t xs, int64_t M, int64_t K2, const uint32_t* const* w,
                            int64_t nb, float* acc, bool add) {
   for (int64_t m0 = 0; m0 < M; m0 += kRowGroup) {

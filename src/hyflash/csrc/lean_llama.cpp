@@ -6,7 +6,9 @@
 #include "amx.h"
 #include "simd.h"
 #include <ATen/Parallel.h>
+#if defined(__x86_64__)
 #include <immintrin.h>
+#endif
 #include <cmath>
 #include <memory>
 
@@ -148,7 +150,7 @@ class Attention {
       }
     }
     for (int u = 0; u < 16; ++u) vstore(score + u * 16, acc[u]);
-#else  // AVX2: the same sums in the same order, one key at a time (16 accumulators would not fit its registers)
+#else  // AVX2 and NEON: the same sums in the same order, one key at a time (16 accumulators would not fit its registers)
     const auto* a32 = reinterpret_cast<const uint32_t*>(a);
     const int64_t ks = hd_ / 2;
     for (int u = 0; u < 16; ++u) {

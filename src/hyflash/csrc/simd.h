@@ -1,14 +1,21 @@
-// The 16-lane fp32 vector the kernels are written in, for two builds (hyflash.kernels chooses by the CPU):
+// The 16-lane fp32 vector the kernels are written in, for three kinds of build (hyflash.kernels chooses by the CPU):
 //   AVX-512 (the AMX and AVX-512 BF16 builds): one __m512 register, bf16 pair products by VDPBF16PS;
 //   AVX2 + FMA (x86-64-v3 CPUs with neither, e.g. most laptops): two __m256 halves, each bf16 pair product as two
 //   FMAs on the pair's widened halves (a product of two bf16 values is exact in fp32, so each FMA rounds once,
-//   as an add would).
+//   as an add would);
+//   NEON (AArch64: phones, Apple silicon, Arm servers): four float32x4_t quarters, pair products as on AVX2, and
+//   every other operation as the AVX2 build does it (its max keeps x86's rule for NaN: the second operand), so the
+//   two agree bit for bit.
 // Every operation is lane by lane or a fixed-order reduction, so an output element's sum never depends on how many
-// rows are computed together: the property that makes verification bit-identical to a single step in either build.
-// The two builds may round differently from each other (exponential, reductions); each is identical to itself.
+// rows are computed together: the property that makes verification bit-identical to a single step in every build.
+// The builds may round differently from each other (the AVX-512 exponential); each is identical to itself.
 #pragma once
 #include <ATen/ATen.h>
+#if defined(__x86_64__)
 #include <immintrin.h>
+#elif defined(__aarch64__)
+#include <arm_neon.h>
+#endif
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -77,7 +84,7 @@ inline void widen16_q8(const int8_t* c, uint16_t* out) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), (__m256i)_mm512_cvtneps_pbh(f));
 }
 
-#else  // AVX2 + FMA: two halves
+#elif defined(__AVX2__) && defined(__FMA__)  // AVX2 + FMA: two halves
 
 struct vf {
   __m256 lo, hi;
@@ -95,11 +102,11 @@ inline vf vdiv(vf a, vf b) { return {_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.
 inline vf vmax(vf a, vf b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
 inline vf vfma(vf a, vf b, vf c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
 
-inline float vsum(vf x) {  // the tree of GCC's _mm512_reduce_add_ps: halves, quarters, then (0 + 1) + (2 + 3)
+inline float vsum(vf x) {  // the tree of GCC's _mm512_reduce_add_ps: halves, quarters, then (0 + 2) + (1 + 3)
   const __m256 h = _mm256_add_ps(x.lo, x.hi);
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-  s = _mm_add_ps(s, _mm_shuffle_ps(s, s, _MM_SHUFFLE(2, 3, 0, 1)));
-  s = _mm_add_ss(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));  // lanes 0 + 2, 1 + 3
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
 
@@ -131,11 +138,6 @@ inline vf vkeep(vmask m, vf x) {
   return {_mm256_and_ps(x.lo, l.lo), _mm256_and_ps(x.hi, l.hi)};
 }
 
-inline vf vload_first(const float* p, int n, float fill) {
-  alignas(32) float buf[16];
-  for (int i = 0; i < 16; ++i) buf[i] = i < n ? p[i] : fill;
-  return vload(buf);
-}
 
 inline __m256 widen8(const bf16* p) {  // 8 bf16 -> 8 fp32 (exact)
   return _mm256_castsi256_ps(
@@ -174,7 +176,134 @@ inline vpairs vload_pairs(const uint32_t* p) {
   return {{_mm256_castsi256_ps(_mm256_slli_epi32(a, 16)), _mm256_castsi256_ps(_mm256_slli_epi32(b, 16))},
           {_mm256_castsi256_ps(_mm256_and_si256(a, high)), _mm256_castsi256_ps(_mm256_and_si256(b, high))}};
 }
-// The rows of x as the matmul reads them on AVX2: widened to fp32 once per call (pair kp at 2 kp, 2 kp + 1), so
+inline void widen16_q8(const int8_t* c, uint16_t* out) {
+  const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));
+  const __m256i lo = _mm256_srli_epi32(_mm256_castps_si256(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes))), 16);
+  const __m256i hi = _mm256_srli_epi32(
+      _mm256_castps_si256(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(codes, 8)))), 16);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, hi), 0xD8));
+}
+
+#elif defined(__ARM_NEON)  // AArch64 NEON: four quarters, each operation as the AVX2 build does it
+
+struct vf {
+  float32x4_t q[4];  // lanes 0-3, 4-7, 8-11, 12-15
+};
+using vmask = uint16_t;
+
+template <class F>
+inline vf each(vf a, vf b, F f) { return {{f(a.q[0], b.q[0]), f(a.q[1], b.q[1]), f(a.q[2], b.q[2]), f(a.q[3], b.q[3])}}; }
+// x86's max and min: the first operand when it is greater (less), else the second, so a NaN gives the second operand
+inline float32x4_t max_x86(float32x4_t a, float32x4_t b) { return vbslq_f32(vcgtq_f32(a, b), a, b); }
+inline float32x4_t min_x86(float32x4_t a, float32x4_t b) { return vbslq_f32(vcltq_f32(a, b), a, b); }
+
+inline vf vset(float x) { const float32x4_t s = vdupq_n_f32(x); return {{s, s, s, s}}; }
+inline vf vzero() { return vset(0.f); }
+inline vf vload(const float* p) { return {{vld1q_f32(p), vld1q_f32(p + 4), vld1q_f32(p + 8), vld1q_f32(p + 12)}}; }
+inline void vstore(float* p, vf x) { for (int i = 0; i < 4; ++i) vst1q_f32(p + 4 * i, x.q[i]); }
+inline vf vadd(vf a, vf b) { return each(a, b, [](float32x4_t u, float32x4_t v) { return vaddq_f32(u, v); }); }
+inline vf vsub(vf a, vf b) { return each(a, b, [](float32x4_t u, float32x4_t v) { return vsubq_f32(u, v); }); }
+inline vf vmul(vf a, vf b) { return each(a, b, [](float32x4_t u, float32x4_t v) { return vmulq_f32(u, v); }); }
+inline vf vdiv(vf a, vf b) { return each(a, b, [](float32x4_t u, float32x4_t v) { return vdivq_f32(u, v); }); }
+inline vf vmax(vf a, vf b) { return each(a, b, max_x86); }
+inline vf vfma(vf a, vf b, vf c) {  // a * b + c, rounded once
+  return {{vfmaq_f32(c.q[0], a.q[0], b.q[0]), vfmaq_f32(c.q[1], a.q[1], b.q[1]), vfmaq_f32(c.q[2], a.q[2], b.q[2]),
+           vfmaq_f32(c.q[3], a.q[3], b.q[3])}};
+}
+
+inline float vsum(vf x) {  // the AVX2 build's tree: halves (lane i + lane i + 8), quarters, then (0 + 2) + (1 + 3)
+  const float32x4_t s = vaddq_f32(vaddq_f32(x.q[0], x.q[2]), vaddq_f32(x.q[1], x.q[3]));
+  return (vgetq_lane_f32(s, 0) + vgetq_lane_f32(s, 2)) + (vgetq_lane_f32(s, 1) + vgetq_lane_f32(s, 3));
+}
+
+inline float vmaxall(vf x) {  // the AVX2 build's tree, with its max
+  const float32x4_t s = max_x86(max_x86(x.q[0], x.q[2]), max_x86(x.q[1], x.q[3]));
+  const float32x4_t t = max_x86(s, vcombine_f32(vget_high_f32(s), vget_high_f32(s)));  // (0, 2), (1, 3)
+  return vgetq_lane_f32(max_x86(t, vdupq_n_f32(vgetq_lane_f32(t, 1))), 0);
+}
+
+inline float vfirst(vf x) { return vgetq_lane_f32(x.q[0], 0); }
+
+inline uint32x4_t lanes(vmask m, int quarter) {  // all-ones lanes of that quarter where m's bit is set
+  const uint32_t bits[4] = {1, 2, 4, 8};
+  return vtstq_u32(vdupq_n_u32((m >> (4 * quarter)) & 0xFu), vld1q_u32(bits));
+}
+
+inline vf vmax_where(vf best, vmask m, vf x) {
+  vf out;
+  for (int i = 0; i < 4; ++i) out.q[i] = vbslq_f32(lanes(m, i), max_x86(best.q[i], x.q[i]), best.q[i]);
+  return out;
+}
+
+inline vf vkeep(vmask m, vf x) {
+  vf out;
+  for (int i = 0; i < 4; ++i) out.q[i] = vreinterpretq_f32_u32(vandq_u32(lanes(m, i), vreinterpretq_u32_f32(x.q[i])));
+  return out;
+}
+
+inline float32x4_t widen4(const bf16* p) {  // 4 bf16 -> 4 fp32 (exact)
+  return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(reinterpret_cast<const uint16_t*>(p)), 16));
+}
+
+inline vf load16(const bf16* p) { return {{widen4(p), widen4(p + 4), widen4(p + 8), widen4(p + 12)}}; }
+
+// fp32 bits rounded to the nearest bf16 (ties to even), in the high halves; a NaN stays a quiet NaN
+inline uint32x4_t round4_bits(float32x4_t x) {
+  const uint32x4_t u = vreinterpretq_u32_f32(x);
+  const uint32x4_t odd = vandq_u32(vshrq_n_u32(u, 16), vdupq_n_u32(1));
+  const uint32x4_t r = vaddq_u32(u, vaddq_u32(odd, vdupq_n_u32(0x7FFF)));
+  const uint32x4_t number = vceqq_f32(x, x);
+  const uint32x4_t quiet = vorrq_u32(u, vdupq_n_u32(0x00400000));
+  return vandq_u32(vbslq_u32(number, r, quiet), vdupq_n_u32(0xFFFF0000u));
+}
+
+inline vf round_bf16(vf x) {
+  vf out;
+  for (int i = 0; i < 4; ++i) out.q[i] = vreinterpretq_f32_u32(round4_bits(x.q[i]));
+  return out;
+}
+
+inline void store16(bf16* p, vf x) {
+  auto* out = reinterpret_cast<uint16_t*>(p);
+  for (int i = 0; i < 4; i += 2)
+    vst1q_u16(out + 4 * i, vcombine_u16(vshrn_n_u32(round4_bits(x.q[i]), 16), vshrn_n_u32(round4_bits(x.q[i + 1]), 16)));
+}
+
+// 16 pairs of bf16, widened: the even elements (low halves) and the odd ones, as fp32
+struct vpairs {
+  vf even, odd;
+};
+inline vpairs vload_pairs(const uint32_t* p) {
+  vpairs b;
+  for (int i = 0; i < 4; ++i) {
+    const uint32x4_t a = vld1q_u32(p + 4 * i);
+    b.even.q[i] = vreinterpretq_f32_u32(vshlq_n_u32(a, 16));
+    b.odd.q[i] = vreinterpretq_f32_u32(vandq_u32(a, vdupq_n_u32(0xFFFF0000u)));
+  }
+  return b;
+}
+
+inline void widen16_q8(const int8_t* c, uint16_t* out) {  // int8 -> fp32 (exact) -> its high half (exact in bf16)
+  const int8x16_t codes = vld1q_s8(c);
+  const int16x8_t w[2] = {vmovl_s8(vget_low_s8(codes)), vmovl_s8(vget_high_s8(codes))};
+  for (int h = 0; h < 2; ++h) {
+    const float32x4_t lo = vcvtq_f32_s32(vmovl_s16(vget_low_s16(w[h]))), hi = vcvtq_f32_s32(vmovl_s16(vget_high_s16(w[h])));
+    vst1q_u16(out + 8 * h, vcombine_u16(vshrn_n_u32(vreinterpretq_u32_f32(lo), 16), vshrn_n_u32(vreinterpretq_u32_f32(hi), 16)));
+  }
+}
+
+#else
+#error "hyflash kernels: need AVX-512, AVX2 with FMA, or NEON"
+#endif
+
+#ifndef __AVX512F__  // AVX2 and NEON alike
+inline vf vload_first(const float* p, int n, float fill) {
+  alignas(32) float buf[16];
+  for (int i = 0; i < 16; ++i) buf[i] = i < n ? p[i] : fill;
+  return vload(buf);
+}
+
+// The rows of x as the matmul reads them on AVX2 and NEON: widened to fp32 once per call (pair kp at 2 kp, 2 kp + 1), so
 // that each product broadcasts its operand straight from memory
 using xpair = float;
 constexpr int64_t kPairStep = 2;
@@ -193,14 +322,6 @@ inline vf vdot_pair(vf c, uint32_t a, const vpairs& b) {  // the same with a's p
   float widened[2];
   std::memcpy(widened, halves, sizeof widened);
   return vdot(c, widened, b);
-}
-
-inline void widen16_q8(const int8_t* c, uint16_t* out) {
-  const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));
-  const __m256i lo = _mm256_srli_epi32(_mm256_castps_si256(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes))), 16);
-  const __m256i hi = _mm256_srli_epi32(
-      _mm256_castps_si256(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(codes, 8)))), 16);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, hi), 0xD8));
 }
 
 #endif
@@ -228,7 +349,7 @@ inline vf exp16(vf x) {
   r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
   return _mm512_maskz_mov_ps(~zero, _mm512_scalef_ps(exp_poly(r), k));
 }
-#else
+#elif defined(__AVX2__)
 // per half: the clamp, k and r as the AVX-512 build computes them; 2^k built in the exponent bits (k in
 // [-126, 127] after the clamp), so p * 2^k is exact as scalef's is
 inline __m256 exp_reduce(__m256 x, __m256& k, __m256& zero) {
@@ -251,6 +372,25 @@ inline vf exp16(vf x) {
   const vf r = {exp_reduce(x.lo, k0, z0), exp_reduce(x.hi, k1, z1)};
   const vf p = exp_poly(r);
   return {exp_scale(p.lo, k0, z0), exp_scale(p.hi, k1, z1)};
+}
+#else  // NEON: the AVX2 build's steps, per quarter
+inline vf exp16(vf x) {
+  vf r, k;
+  uint32x4_t zero[4];
+  const float32x4_t lo = vdupq_n_f32(-87.f);
+  for (int i = 0; i < 4; ++i) {
+    zero[i] = vcltq_f32(x.q[i], lo);
+    const float32x4_t c = min_x86(max_x86(x.q[i], lo), vdupq_n_f32(88.f));
+    k.q[i] = vrndnq_f32(vmulq_f32(c, vdupq_n_f32(1.44269504088896341f)));
+    r.q[i] = vfmsq_f32(vfmsq_f32(c, k.q[i], vdupq_n_f32(0.693359375f)), k.q[i], vdupq_n_f32(-2.12194440e-4f));
+  }
+  const vf p = exp_poly(r);
+  vf out;
+  for (int i = 0; i < 4; ++i) {
+    const float32x4_t two_k = vreinterpretq_f32_s32(vshlq_n_s32(vaddq_s32(vcvtq_s32_f32(k.q[i]), vdupq_n_s32(127)), 23));
+    out.q[i] = vreinterpretq_f32_u32(vbicq_u32(vreinterpretq_u32_f32(vmulq_f32(p.q[i], two_k)), zero[i]));
+  }
+  return out;
 }
 #endif
 
