@@ -1,8 +1,8 @@
 """Is greedy speculative decoding token-identical to plain decoding on this machine, per dtype?
 
 It is by construction where a many-token verify gives each token the bits a single step would
-(``Target.bitwise_verify``: our C++ forward on x86-64 CPUs with AMX, AVX-512 BF16 or AVX2, or fp32); elsewhere bf16 rounding can
-flip a near-tie. ``HYFLASH_KERNELS=0`` switches the C++ kernels off, to see the difference on one machine.
+(``Target.bitwise_verify``: our C++ forward on x86-64 CPUs with AMX, AVX-512 BF16 or AVX2, and on 64-bit Arm Linux,
+or fp32); elsewhere bf16 rounding can flip a near-tie. ``HYFLASH_KERNELS=0`` switches the C++ kernels off, to see the difference on one machine.
 
     python benchmarks/check_identity.py --dtypes bf16,fp32 --drafter ngram+auto --max-new-tokens 64
 """

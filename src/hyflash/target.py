@@ -334,7 +334,7 @@ class Target:
     def bitwise_verify(self) -> bool:
         """Whether verifying k tokens in one forward gives each the bits a 1-token step would, so that greedy
         speculative decoding is token-identical to plain decoding by construction: our C++ forward (bf16 on x86-64 CPUs with
-        AMX, AVX-512 BF16 or AVX2 and FMA, ``hyflash.kernels``) is. Torch's bf16 matmuls round differently by batch shape, so
+        AMX, AVX-512 BF16 or AVX2 and FMA, and on 64-bit Arm Linux with NEON, ``hyflash.kernels``) is. Torch's bf16 matmuls round differently by batch shape, so
         without those kernels a near-tie can go the other way (on an AMD EPYC with the kernels switched off: 6 of 8
         prompts left plain decoding's text within 64 tokens); in fp32 such differences are ~1e-7, far below any tie
         in our tests (8 of 8 identical)."""
