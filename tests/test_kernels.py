@@ -1,5 +1,5 @@
 """Our matmul kernel (hyflash.kernels, csrc/amx_linear.cpp): bf16 x @ w.T for 1-16 rows on x86-64 CPUs with AMX,
-AVX-512 BF16 or AVX2 and FMA, each test once per build the CPU runs. Skipped where the kernel cannot run; the
+AVX-512 BF16 or AVX2 and FMA, and on 64-bit Arm (NEON), each test once per build the CPU runs. Skipped where the kernel cannot run; the
 fallback that every machine takes is tested here too."""
 
 import pytest
@@ -100,8 +100,15 @@ def test_kernels_can_be_switched_off_and_then_onednn_or_the_plain_matmul_serves(
         kernels.amx.cache_clear()
 
 
+def _on_x86_linux(monkeypatch):
+    """As if on x86-64 Linux, whatever runs the tests (the x86 builds are chosen by the flags ``cpu_flags`` reads)."""
+    monkeypatch.setattr(kernels.platform, "system", lambda: "Linux")
+    monkeypatch.setattr(kernels.platform, "machine", lambda: "x86_64")
+
+
 def test_the_cpu_flags_choose_the_build_and_none_means_no_kernel(monkeypatch):
     monkeypatch.delenv("HYFLASH_KERNELS", raising=False)
+    _on_x86_linux(monkeypatch)
     amx = {"amx_tile", "amx_bf16", "avx512_bf16", "avx512f", "avx512bw", "avx512vl", "avx2", "fma"}
     for flags, build in ((amx, "amx"), (amx - {"amx_tile", "amx_bf16"}, "avx512-bf16"), ({"avx2", "fma"}, "avx2"),
                          ({"avx2"}, None), ({"avx", "sse4_2"}, None)):
@@ -124,6 +131,7 @@ def test_the_cpu_flags_choose_the_build_and_none_means_no_kernel(monkeypatch):
 def test_hyflash_kernels_names_a_lesser_build_and_refuses_one_the_cpu_cannot_run(monkeypatch):
     from hyflash import HyflashError
 
+    _on_x86_linux(monkeypatch)
     monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset({"avx512_bf16", "avx512f", "avx512bw", "avx512vl",
                                                                   "avx2", "fma"}))
     assert kernels.builds() == ["avx512-bf16", "avx2"]
