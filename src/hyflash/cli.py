@@ -77,12 +77,13 @@ def generate(prompt, target, drafter, max_new_tokens, temperature, top_k, top_p,
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     if drafter != "none" and sampling.greedy and not tgt.bitwise_verify:
         click.echo("hyflash: note: without our C++ kernels (they need Linux on an x86-64 CPU with AVX2 and FMA or "
-                   "on 64-bit Arm, and a C++ compiler), bf16 verification rounds differently from single steps, so greedy output can differ from --drafter none at near-ties; "
-                   "--dtype fp32 keeps it identical", err=True)
+                   "on 64-bit Arm, and a C++ compiler), bf16 verification rounds differently from single steps, so "
+                   "greedy output can differ from --drafter none at near-ties; --dtype fp32 keeps it identical", err=True)
     if slow_verify and drafter != "none" and not drafter.startswith("paced:"):
         click.echo(f"hyflash: note: on the {build.upper()} build of our kernels (no bf16 dot-product instructions), "
-                   f"verifying a block of drafted tokens costs several single steps on few cores, so plain decoding may be faster "
-                   f"here; --drafter paced:{drafter} takes whichever measures faster (output is identical either way)",
+                   f"verifying a block of drafted tokens costs several single steps on few cores, so plain decoding "
+                   f"may be faster here; --drafter paced:{drafter} takes whichever measures faster (output is "
+                   f"identical either way)",
                    err=True)
     streamer = None if as_json else _TextStreamer(tgt)
     result = run(tgt, ids, proposer, max_new_tokens=max_new_tokens, sampling=sampling,

@@ -8,8 +8,9 @@ most laptops' Intel and AMD CPUs since 2013–2015), where each bf16 pair produc
 on NEON (64-bit Arm Linux: phones, Arm boards and servers), the AVX2 build's scheme on 128-bit registers, which gives
 the AVX2 build's bits (csrc/simd.h). In every build each output element is one fp32 sum taken in the same order
 whatever the number of rows, so verifying k drafted tokens gives each token the bits a 1-token step would: greedy
-speculative decoding in bf16 is token-identical to plain decoding. (The AVX-512 builds may differ from the other two
-in the last bit.) macOS is not built: Apple's compiler has no OpenMP, which the build uses.
+speculative decoding in bf16 is token-identical to plain decoding. (The AMX build may differ from the others in the
+last bit; the other three agree, which a test checks against a committed reference.) macOS is not built: Apple's
+compiler has no OpenMP, which the build uses.
 
 ``amx()`` returns the compiled module, or None where it cannot run — neither x86-64 nor AArch64 Linux, an x86 CPU
 without AVX2 and FMA in its flags, no C++ compiler, a failed build, or ``HYFLASH_KERNELS=0`` — and callers then use oneDNN
@@ -71,8 +72,9 @@ FLAGS = {"amx": ["-mavx512f", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"],
          "avx2": ["-mavx2", "-mfma"],
          "neon": []}  # the AArch64 baseline
 MODULE_NAMES = {"amx": NAME, "avx512-bf16": NAME + "_avx512bf16", "avx2": NAME + "_avx2", "neon": NAME + "_neon"}
-# Builds whose bf16 pair product is two FMAs (no bf16 dot-product instruction): a verify of k tokens is compute-bound
-# on few cores and costs several single steps, which is why ``hyflash generate`` paces drafting there.
+# Builds whose bf16 pair product is two FMAs (no bf16 dot-product instruction): on AVX2 a verify of k tokens was
+# measured compute-bound on 2 cores, several single steps' cost, which is why ``hyflash generate`` paces drafting
+# there; NEON has the same arithmetic (its speed on an Arm CPU is not yet measured), so it is paced too.
 PAIRS_BY_FMA = ("avx2", "neon")
 
 
