@@ -311,13 +311,16 @@ def reference_outputs(target, drafter) -> dict[str, torch.Tensor]:
 def reference_models(weights: dict[str, torch.Tensor] | None = None):
     """The tiny bf16 target and drafter of the reference-bits test, with ``weights`` (the fixture's) or freshly
     initialised → (target, drafter, their weights as the fixture stores them)."""
+    def part(prefix):  # the fixture's entries under "prefix." with that prefix removed
+        return {k[len(prefix) + 1:]: v for k, v in weights.items() if k.startswith(prefix + ".")}
+
     target = tiny_llama(vocab=64, hidden=128, layers=2, seed=4, dtype=torch.bfloat16)
     if weights is not None:
-        target.model.load_state_dict({k[len("target."):]: v for k, v in weights.items() if k.startswith("target.")})
+        target.model.load_state_dict(part("target"))
     target.use_fast_path()
     drafter = _bf16_drafter(target, pack=False)
     if weights is not None:
-        drafter.load_state_dict({k[len("drafter."):]: v for k, v in weights.items() if k.startswith("drafter.")})
+        drafter.load_state_dict(part("drafter"))
     stored = {f"{name}.{k}": v.detach().clone().contiguous() for name, module in (("target", target.model),
               ("drafter", drafter)) for k, v in module.state_dict().items()}
     # The RoPE tables are inputs too: torch's own cos and sin (vectorised per CPU) may differ in the last bit from
