@@ -44,11 +44,13 @@ def test_amx_rows_do_not_depend_on_how_many_are_multiplied_together_or_on_thread
     block of k tokens produces, row for row, the bits that k single-token steps would."""
     g = torch.Generator().manual_seed(1)
     w = torch.randn(1728, 576, generator=g).bfloat16()
-    x = torch.randn(13, 576, generator=g).bfloat16()
+    x = torch.randn(16, 576, generator=g).bfloat16()
     lin = PackedLinear(w)
     together = lin(x)
-    for i in range(13):
+    for i in range(16):
         assert torch.equal(lin(x[i:i + 1])[0], together[i])
+    for m in range(2, 16):  # every row count: the AVX2 build multiplies 5 or 6 rows with a loop of their own
+        assert torch.equal(lin(x[:m]), together[:m])
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -68,8 +70,9 @@ def test_each_pair_of_k_is_added_odd_product_first_with_a_rounding_after_each():
     w[1, 0], w[1, 2], w[1, 3] = 1.0, 2.0 ** 30, -2.0 ** 30  # (1, 0), (2^30, -2^30)
     w[2, 0] = 3.0
     amx = kernels.amx()
-    got = amx.linear(torch.ones(1, 32).bfloat16(), amx.pack(w.bfloat16()))[0, :3]
-    assert got.tolist() == [0.0, 0.0, 3.0]
+    for rows in range(1, 9):  # each of the AVX2 build's loops (1-4 rows, 5-6, groups)
+        got = amx.linear(torch.ones(rows, 32).bfloat16(), amx.pack(w.bfloat16()))[:, :3]
+        assert got.tolist() == [[0.0, 0.0, 3.0]] * rows
 
 
 @needs_amx
