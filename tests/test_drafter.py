@@ -323,3 +323,26 @@ def test_drafter_specs_choose_a_tree_or_a_chain(tmp_path):
     assert prop.drafter.drafter.native_weights == "bf16" and prop.drafter.tree == DEFAULT_TREE
     with pytest.raises(HyflashError, match="bad tree size"):
         load_proposer(path + "#many", target)
+
+
+def test_a_tree_of_n_nodes_drafts_only_the_blocks_first_n_slots(tmp_path):
+    """A tree of N candidate nodes reaches at most N slots deep, so HyFlashProposer asks the drafter for the block's
+    first min(N, block) slots; a chain, or sampling, for all of them."""
+    target = tiny_llama(vocab=50, hidden=32)
+    drafter = new_drafter(DrafterConfig(**{**TINY, "hidden_size": 32}), target)
+    block = drafter.config.block_size
+    asked = []
+    for tree, sampling, want in ((2, SamplingConfig(), 2), (block + 3, SamplingConfig(), block),
+                                 (0, SamplingConfig(), block), (2, SamplingConfig(temperature=1.0), block)):
+        prop = HyFlashProposer(drafter, tree=tree, seed=0)
+        prop.reset([1, 2, 3])
+        draft_logits = prop.state.draft_logits
+
+        def spy(anchor, slots=None):
+            logits = draft_logits(anchor, slots)
+            asked.append(logits.shape[0])
+            return logits
+
+        prop.state.draft_logits = spy
+        draft = prop.draft(4, 20, sampling)
+        assert asked[-1] == want and 1 <= len(draft.tokens) <= max(tree, block)

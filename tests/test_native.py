@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import tiny_llama
-from hyflash import kernels
+from hyflash import HyflashError, kernels
 from hyflash.decoding import generate
 from hyflash.drafter.attention import rope_tables
 from hyflash.drafter.config import DrafterConfig
@@ -174,11 +174,19 @@ def test_native_drafter_commits_and_drafts_as_the_torch_state(variant):
         for i in range(10, 40, 3):  # the window of 6 wraps several times
             state.commit(feats[i:i + 3])
             logits.append(state.draft_logits(int(ids[i])))
+            logits.append(state.draft_logits(int(ids[i]), slots=2))  # the block's first 2 slots alone
         states[native] = (state, logits)
     (a, la), (b, lb) = states[True], states[False]
     assert a.n == b.n == 40
     for x, y in zip(la, lb):
         assert _close(x, y)
+    block = drafter.config.block_size
+    assert [x.shape[0] for x in la[:2]] == [block, 2]
+    # the first 2 slots alone attend to fewer slots than in the whole block, so their guesses differ from its
+    # first 2 rows
+    assert not torch.equal(la[1], la[0][:2])
+    with pytest.raises(HyflashError, match="slots must be 1"):
+        a.draft_logits(1, slots=block + 1)
     for x, y in zip(a.memories, b.memories):
         assert _close(x, y, 1e-2)
     for wa, wb in zip(a.windows, b.windows):

@@ -148,8 +148,12 @@ class HyFlashProposer:
             return Draft([])
         d = self.drafter
         if d.config.causal_head_rank == 0:
-            logits = self.state.draft_logits(anchor)[:k]
-            if sampling.greedy and self.tree > 1:
+            tree = sampling.greedy and self.tree > 1
+            # a tree of N nodes reaches at most N slots deep, so the drafter computes only those: fewer rows through
+            # its layers and head (on AVX2, 2 of 7 slots drafted in 0.9 ms instead of 2.2), for a little less
+            # accuracy, since the slots attend among themselves
+            logits = self.state.draft_logits(anchor, min(k, self.tree) if tree else None)[:k]
+            if tree:
                 return self._tree(logits, min(self.tree, max_tokens))
             if sampling.greedy:
                 index = logits.max(-1).indices  # the first maximal index, as argmax (and faster in bf16)

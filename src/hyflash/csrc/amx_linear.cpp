@@ -33,10 +33,6 @@ void configure(int64_t M) {
   _tile_loadconfig(&cfg);
 }
 #else
-// Pairs of k ahead that a streamed weight block is prefetched (64 bytes a pair: 4 KiB, the next page, where the
-// hardware's stream prefetchers stop)
-constexpr int64_t kAhead = 64;
-
 // Without tiles: R rows of x against NB 16-column blocks, each output element one fp32 accumulator that takes
 // k's pairs in order (vdot_pair of simd.h: VDPBF16PS, or two FMAs on AVX2 and NEON: x's pair broadcast against 16 columns'
 // pairs). The sum an element gets does not depend on how many rows are multiplied with it, so verifying k tokens
@@ -44,15 +40,13 @@ constexpr int64_t kAhead = 64;
 // x: rows of x (matmul_rows of simd.h; stride xs elements, kPairStep a pair); w[u]: block u's pairs in kernel order ([K/2][16] uint32);
 // acc: row r's block u at r * 64 + u * 16.
 // add: continue the sums already in acc (a later range of k), else start from zero.
-template <int R, int NB, bool Ahead = false>
+template <int R, int NB>
 inline void dp_rows(const hyflash::xpair* x, int64_t xs, int64_t K2, const uint32_t* const* w, float* acc, bool add) {
   using namespace hyflash;
   vf c[R][NB];
   for (int r = 0; r < R; ++r)
     for (int u = 0; u < NB; ++u) c[r][u] = add ? vload(acc + r * 64 + u * 16) : vzero();
   for (int64_t kp = 0; kp < K2; ++kp) {
-    if (Ahead)
-      for (int u = 0; u < NB; ++u) __builtin_prefetch(w[u] + (kp + kAhead) * 16);
     vpairs b[NB];
     for (int u = 0; u < NB; ++u) b[u] = vload_pairs(w[u] + kp * 16);
     for (int r = 0; r < R; ++r) {
@@ -123,22 +117,56 @@ inline void dp_block_group(const hyflash::xpair* x32, int64_t xs, int64_t M, int
 }
 
 #if defined(__AVX2__) && !defined(__AVX512F__)
-// AVX2, 5-6 rows against one block: one 8-column half of each pair of k at a time, so that the 10-12 sums (2 per
-// row) fit in the 16 registers beside the half's widened pair. Each sum takes k's pairs in the order dp_rows gives it.
-template <int R>
-__attribute__((noinline)) void dp_halves(const float* x, int64_t xs, int64_t K2, const uint32_t* w, float* acc) {
-  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+// AVX2, the weights streamed from memory: amx_linear's bf16 blocks and, without the bf16 tile buffer the other builds
+// widen them into, its int8 codes. A loader gives a block's 8-column half h of pair kp as fp32 (even, odd) vectors and
+// prefetches 4 KiB ahead (the next page, where the hardware's stream prefetchers stop).
+struct Bf16Pairs {  // [K/2][16] uint32: column c's pair at kp * 16 + c, the even element in the low half
+  const uint32_t* w;
+  void prefetch(int64_t kp) const { __builtin_prefetch(w + (kp + 64) * 16); }
+  void half(int64_t kp, int h, __m256& even, __m256& odd) const {
+    const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + kp * 16 + 8 * h));
+    even = _mm256_castsi256_ps(_mm256_slli_epi32(p, 16));
+    odd = _mm256_castsi256_ps(_mm256_and_si256(p, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  }
+};
+struct Q8Pairs {  // [K/2][16][2] int8 (pack_q8): column c's even and odd codes at kp * 32 + 2c, + 1; exact in fp32,
+  const int8_t* w;  // so the products and sums are those of the bf16 tile path
+  void prefetch(int64_t kp) const { if (kp % 2 == 0) __builtin_prefetch(w + (kp + 128) * 32); }
+  void half(int64_t kp, int h, __m256& even, __m256& odd) const {
+    // each column's two codes as one int16 (even in the low byte), sign-extended to 32 bits
+    const __m256i v = _mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + kp * 32 + 16 * h)));
+    even = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 24), 24));
+    odd = _mm256_cvtepi32_ps(_mm256_srai_epi32(v, 8));
+  }
+};
+
+// R rows of x (fp32 pairs, stride xs) against one 16-column block over K2 pairs into acc (row r at r * 64), each sum
+// taking k's pairs in order, the odd product first (vdot's order, so the bits are those of every other build).
+// Split: one 8-column half at a time, so that 5-6 rows' 10-12 sums fit in the 16 registers beside the half's pair;
+// else both halves of a pair at once (up to 4 rows: 8 sums and 4 widened vectors).
+template <int R, bool Split, class Pairs>
+__attribute__((noinline)) void dp_avx2(const float* x, int64_t xs, int64_t K2, Pairs pairs, float* acc) {
   __m256 c[2][R];
   for (int r = 0; r < R; ++r) c[0][r] = c[1][r] = _mm256_setzero_ps();
   for (int64_t kp = 0; kp < K2; ++kp) {
-    __builtin_prefetch(w + (kp + kAhead) * 16);
-    for (int h = 0; h < 2; ++h) {
-      const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + kp * 16 + 8 * h));
-      const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(p, 16));
-      const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(p, high));
-      for (int r = 0; r < R; ++r) {  // the odd product first, as vdot
+    pairs.prefetch(kp);
+    if constexpr (Split) {
+      for (int h = 0; h < 2; ++h) {
+        __m256 even, odd;
+        pairs.half(kp, h, even, odd);
+        for (int r = 0; r < R; ++r) {
+          const float* a = x + r * xs + kp * 2;
+          c[h][r] = _mm256_fmadd_ps(_mm256_broadcast_ss(a), even, _mm256_fmadd_ps(_mm256_broadcast_ss(a + 1), odd, c[h][r]));
+        }
+      }
+    } else {
+      __m256 even[2], odd[2];
+      pairs.half(kp, 0, even[0], odd[0]);
+      pairs.half(kp, 1, even[1], odd[1]);
+      for (int r = 0; r < R; ++r) {
         const float* a = x + r * xs + kp * 2;
-        c[h][r] = _mm256_fmadd_ps(_mm256_broadcast_ss(a), even, _mm256_fmadd_ps(_mm256_broadcast_ss(a + 1), odd, c[h][r]));
+        const __m256 xe = _mm256_broadcast_ss(a), xo = _mm256_broadcast_ss(a + 1);
+        for (int h = 0; h < 2; ++h) c[h][r] = _mm256_fmadd_ps(xe, even[h], _mm256_fmadd_ps(xo, odd[h], c[h][r]));
       }
     }
   }
@@ -148,26 +176,26 @@ __attribute__((noinline)) void dp_halves(const float* x, int64_t xs, int64_t K2,
   }
 }
 
-// AVX2, weights streamed from memory (amx_linear's bf16 path): block by block, each block's rows in one pass where
-// they fit (1-4 rows: dp_rows, 5-6: dp_halves; more: groups of 4, then 1-6), prefetched a page ahead. One stream at
-// a time per thread, and every row sharing each load of it, let the FMAs overlap the memory reads: SmolLM2's
-// matmuls for 4 rows took 8.8 ms against 11.3 for dp_block_group's schedule, 6 rows 11.8 against 17.9 (2-core
-// AMD EPYC, 2026-12-01, a standalone copy of both loops). The sums are dp_block_group's, bit for bit.
-inline void dp_stream(const float* x32, int64_t xs, int64_t M, int64_t K2, const uint32_t* const* w, int64_t nb,
-                      float* acc) {
+// All M rows against nb blocks (pairs(u): block u's loader), block by block, each block's rows in one pass where they
+// fit (1-4 rows, or 5-6 split; more: groups of 4, then 1-6). One stream at a time per thread, and every row sharing
+// each load of it, let the FMAs overlap the memory reads: SmolLM2's bf16 matmuls for 4 rows took 8.8 ms against 11.3
+// for dp_block_group's schedule, 6 rows 11.8 against 17.9 (2-core AMD EPYC, 2026-12-01, a standalone copy of both).
+template <class PairsOf>
+inline void dp_stream(const float* x32, int64_t xs, int64_t M, int64_t K2, PairsOf pairs, int64_t nb, float* acc) {
   for (int64_t u = 0; u < nb; ++u) {
+    const auto p = pairs(u);
     for (int64_t m0 = 0; m0 < M;) {
       const int64_t left = M - m0;
       const int64_t rows = left == 5 || left == 6 ? left : std::min<int64_t>(4, left);
       const float* xr = x32 + m0 * xs;
       float* ar = acc + m0 * 64 + u * 16;
       switch (rows) {
-        case 1: dp_rows<1, 1, true>(xr, xs, K2, w + u, ar, false); break;
-        case 2: dp_rows<2, 1, true>(xr, xs, K2, w + u, ar, false); break;
-        case 3: dp_rows<3, 1, true>(xr, xs, K2, w + u, ar, false); break;
-        case 4: dp_rows<4, 1, true>(xr, xs, K2, w + u, ar, false); break;
-        case 5: dp_halves<5>(xr, xs, K2, w[u], ar); break;
-        default: dp_halves<6>(xr, xs, K2, w[u], ar); break;
+        case 1: dp_avx2<1, false>(xr, xs, K2, p, ar); break;
+        case 2: dp_avx2<2, false>(xr, xs, K2, p, ar); break;
+        case 3: dp_avx2<3, false>(xr, xs, K2, p, ar); break;
+        case 4: dp_avx2<4, false>(xr, xs, K2, p, ar); break;
+        case 5: dp_avx2<5, true>(xr, xs, K2, p, ar); break;
+        default: dp_avx2<6, true>(xr, xs, K2, p, ar); break;
       }
       m0 += rows;
     }
@@ -280,6 +308,16 @@ torch::Tensor amx_linear_q8(torch::Tensor x, torch::Tensor packed) {
 #ifndef __AMX_TILE__
   std::vector<float> scratch;
   const xpair* xr = matmul_rows(x.data_ptr<at::BFloat16>(), M * K, scratch);
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  at::parallel_for(0, groups, 1, [&](int64_t first, int64_t last) {
+    alignas(64) float acc[16 * 64];
+    for (int64_t g = first; g < last; ++g) {
+      const int64_t b0 = g * 4, nb = std::min<int64_t>(4, blocks - b0);
+      dp_stream(xr, K, M, K / 2, [&](int64_t u) { return Q8Pairs{wp + (b0 + u) * row}; }, nb, acc);
+      store_scaled_bf16(acc, M, nb, wp + b0 * row, row, K, yp + b0 * 16, N);
+    }
+  });
+#else
   at::parallel_for(0, groups, 1, [&](int64_t first, int64_t last) {
     alignas(64) float acc[16 * 64];
     alignas(64) uint16_t tile[4][16 * 32];
@@ -294,6 +332,7 @@ torch::Tensor amx_linear_q8(torch::Tensor x, torch::Tensor packed) {
       store_scaled_bf16(acc, M, nb, wp + b0 * row, row, K, yp + b0 * 16, N);
     }
   });
+#endif
 #else
   const int64_t xs = K * 2;  // bytes per row of x (the A tile's stride)
   at::parallel_for(0, groups, 1, [&](int64_t first, int64_t last) {
@@ -351,7 +390,7 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed) {
       const uint32_t* w[4] = {};
       for (int64_t u = 0; u < nb; ++u) w[u] = reinterpret_cast<const uint32_t*>(wp + (b0 + u) * bs);
 #if defined(__AVX2__) && !defined(__AVX512F__)
-      dp_stream(xr, K / 2 * kPairStep, M, K / 2, w, nb, acc);
+      dp_stream(xr, K / 2 * kPairStep, M, K / 2, [&](int64_t u) { return Bf16Pairs{w[u]}; }, nb, acc);
 #else
       dp_block_group(xr, K / 2 * kPairStep, M, K / 2, w, nb, acc, false);
 #endif

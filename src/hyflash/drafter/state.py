@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hyflash import kernels
+from hyflash import HyflashError, kernels
 from hyflash.drafter import memory as mem
 from hyflash.drafter.attention import rope_tables
 from hyflash.drafter.model import HyFlashDrafter, _state_dtype
@@ -202,6 +202,14 @@ class DrafterState:
             i += 1
         self.n += c.shape[1]
 
+    def _slot_count(self, slots: int | None) -> int:
+        block = self.drafter.config.block_size
+        if slots is None:
+            return block
+        if not 1 <= slots <= block:
+            raise HyflashError(f"slots must be 1..{block} (the drafter's block), got {slots}")
+        return slots
+
     def _rope(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE tables of positions start..end-1 from a table kept on the drafter (grown by doubling): the same
         values as ``rope_tables``, without computing them in fp64 twice a round."""
@@ -227,17 +235,19 @@ class DrafterState:
             w.count = self.n
 
     @torch.no_grad()
-    def draft_logits(self, anchor: int) -> torch.Tensor:
-        """The block's draft logits [S, V'] (``drafter.logits`` of ``draft_hidden``). Reads only."""
+    def draft_logits(self, anchor: int, slots: int | None = None) -> torch.Tensor:
+        """The block's draft logits [S, V'] (``drafter.logits`` of ``draft_hidden``). Reads only. ``slots``: compute
+        only the block's first ``slots`` slots (they then attend only among themselves: their guesses move a little)."""
         if self.native is None or self.drafter.training:
-            return self.drafter.logits(self.draft_hidden(anchor))
+            return self.drafter.logits(self.draft_hidden(anchor, slots))
         d, cfg, nat = self.drafter, self.drafter.config, self.native
+        S = self._slot_count(slots)
         if self._slots is None:  # the mask embeddings once; each round writes only the anchor's row
             self._slots = d.slot_inputs(torch.tensor([[anchor]]))[0, 0].contiguous()  # [S, d]
         else:
             self._slots[0] = d.embed_weight[anchor]
-        cos, sin = self._rope(self.n, self.n + cfg.block_size)
-        return nat.module.drafter_draft(self._slots, nat.layers, self._win_k, self._win_v, self.memories, self.n,
+        cos, sin = self._rope(self.n, self.n + S)
+        return nat.module.drafter_draft(self._slots[:S], nat.layers, self._win_k, self._win_v, self.memories, self.n,
                                         cos.contiguous(), sin.contiguous(), nat.final_norm, nat.head, nat.dims,
                                         nat.eps)
 
@@ -248,12 +258,13 @@ class DrafterState:
         return mem.step(kind, self.memories[i].new_zeros(self.memories[i].shape), k, v, g, b)
 
     @torch.no_grad()
-    def draft_hidden(self, anchor: int) -> torch.Tensor:
-        """Final slot states [S, d] of the block anchored at ``anchor`` (position self.n). Reads only.
-        The layers' computation (DrafterLayer.forward) with the fused projections of ``_LayerWeights``."""
+    def draft_hidden(self, anchor: int, slots: int | None = None) -> torch.Tensor:
+        """Final slot states [S, d] of the block anchored at ``anchor`` (position self.n), or of its first ``slots``
+        slots. Reads only. The layers' computation (DrafterLayer.forward) with the fused projections of
+        ``_LayerWeights``."""
         d, cfg = self.drafter, self.drafter.config
-        S = cfg.block_size
-        h = d.slot_inputs(torch.tensor([[anchor]], device=self.device))[0]  # [1, S, d]
+        S = self._slot_count(slots)
+        h = d.slot_inputs(torch.tensor([[anchor]], device=self.device))[0][:, :S]  # [1, S, d]
         cos, sin = rope_tables(torch.arange(self.n, self.n + S, device=self.device), cfg.head_dim, cfg.rope_theta,
                                h.dtype)
         mask = None
