@@ -306,12 +306,12 @@ def test_graft_merges_a_chain_into_a_tree_as_a_path_from_the_root():
 
 
 def test_drafter_specs_choose_a_tree_or_a_chain(tmp_path):
-    from hyflash.proposers import DEFAULT_TREE
+    from hyflash.proposers import default_tree
 
     target = tiny_llama(vocab=50, hidden=32)
     save_pretrained(new_drafter(DrafterConfig(**{**TINY, "hidden_size": 32}), target), tmp_path / "d", dtype=None)
     path = str(tmp_path / "d")
-    assert load_proposer(path, target).tree == DEFAULT_TREE  # the default: a tree when greedy on the fast path
+    assert load_proposer(path, target).tree == default_tree()  # the default: a tree when greedy on the fast path
     assert load_proposer(path + "#5", target).tree == 5
     assert load_proposer(path + "#0", target).tree == 0  # a chain
     assert load_proposer(path + "@0.1", target).tree == 0  # adaptive block length is a chain's
@@ -320,9 +320,18 @@ def test_drafter_specs_choose_a_tree_or_a_chain(tmp_path):
     assert load_proposer(path, target).drafter.native_weights == "int8"
     assert load_proposer(path + "#5:bf16", target).drafter.native_weights == "bf16"
     prop = load_proposer("ngram+" + path + ":bf16", target)
-    assert prop.drafter.drafter.native_weights == "bf16" and prop.drafter.tree == DEFAULT_TREE
+    assert prop.drafter.drafter.native_weights == "bf16" and prop.drafter.tree == default_tree()
     with pytest.raises(HyflashError, match="bad tree size"):
         load_proposer(path + "#many", target)
+
+
+def test_the_default_tree_is_smaller_on_the_builds_whose_pair_products_are_two_fmas(monkeypatch):
+    from hyflash import kernels, proposers
+
+    for build, nodes in (("amx", 4), ("avx512-bf16", 4), ("avx2", 2), ("neon", 2), (None, 4)):
+        monkeypatch.setattr(kernels, "isa", lambda build=build: build)
+        assert proposers.default_tree() == nodes
+    assert set(kernels.PAIRS_BY_FMA) == {"avx2", "neon"}
 
 
 def test_a_tree_of_n_nodes_drafts_only_the_blocks_first_n_slots(tmp_path):

@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from hyflash import HyflashError, kernels
+from hyflash import HyflashError
 
 
 class _TextStreamer:
@@ -38,10 +38,10 @@ def cli():
 @click.option("--drafter", default=None,
               help="none | ngram | auto (the shipped drafter) | path to a drafter checkpoint | ngram+auto, ngram+PATH "
                    "(prompt lookup when the text repeats, else the drafter). A drafter may end in @C (adaptive block "
-                   "length, e.g. auto@0.05) or #N (greedy: verify a tree of N candidates, e.g. auto#12). "
+                   "length, e.g. auto@0.05) or #N (greedy: verify a tree of N candidates, e.g. auto#12; default 4, "
+                   "2 on the AVX2 and NEON builds of our kernels, where a verify's cost grows with its rows). "
                    "paced:SPEC drafts with SPEC or takes plain steps, whichever measures faster. "
-                   "Default: ngram+auto where a drafter ships for the target (the fastest we measured), else ngram; "
-                   "paced:ngram+auto on the AVX2 and NEON builds of our kernels, where a verify costs several steps.")
+                   "Default: ngram+auto where a drafter ships for the target (the fastest we measured), else ngram.")
 @click.option("--max-new-tokens", default=128, show_default=True, type=int)
 @click.option("--temperature", default=0.0, show_default=True, type=float, help="0 = greedy.")
 @click.option("--top-k", default=0, show_default=True, type=int)
@@ -62,14 +62,12 @@ def generate(prompt, target, drafter, max_new_tokens, temperature, top_k, top_p,
 
     if not prompt.strip():
         raise HyflashError("the prompt is empty")
-    from hyflash.proposers import load_proposer, shipped_drafter_path
+    from hyflash.proposers import load_proposer, shipped_drafter_path, tree_nodes
 
     tgt = Target.load(target, dtype=dtype, threads=threads, fast=fast)
     shipped = shipped_drafter_path(tgt) is not None
-    build = kernels.isa() if getattr(getattr(tgt, "lean", None), "native", None) is not None else None
-    slow_verify = build in kernels.PAIRS_BY_FMA
     if drafter is None:
-        drafter = ("paced:" if slow_verify else "") + ("ngram+auto" if shipped else "auto")
+        drafter = "ngram+auto" if shipped else "auto"
     if drafter == "auto" and not shipped:
         click.echo(f"hyflash: no drafter shipped for {tgt.name} yet; drafting with prompt lookup (ngram)", err=True)
     proposer = load_proposer(drafter, tgt, seed=seed)
@@ -79,17 +77,12 @@ def generate(prompt, target, drafter, max_new_tokens, temperature, top_k, top_p,
         click.echo("hyflash: note: without our C++ kernels (they need Linux on an x86-64 CPU with AVX2 and FMA or "
                    "on 64-bit Arm, and a C++ compiler), bf16 verification rounds differently from single steps, so "
                    "greedy output can differ from --drafter none at near-ties; --dtype fp32 keeps it identical", err=True)
-    if slow_verify and drafter != "none" and not drafter.startswith("paced:"):
-        click.echo(f"hyflash: note: on the {build.upper()} build of our kernels (no bf16 dot-product instructions), "
-                   f"verifying a block of drafted tokens costs several single steps on few cores, so plain decoding "
-                   f"may be faster here; --drafter paced:{drafter} takes whichever measures faster (output is "
-                   f"identical either way)",
-                   err=True)
     streamer = None if as_json else _TextStreamer(tgt)
     result = run(tgt, ids, proposer, max_new_tokens=max_new_tokens, sampling=sampling,
                  stop_strings=tuple(stop_strings), on_tokens=streamer)
     stats = result.stats.to_dict()
     stats["drafter"] = drafter
+    stats["tree"] = tree_nodes(proposer)
     stats["target"] = tgt.name
     stats["fast_path"] = tgt.fast
     if as_json:

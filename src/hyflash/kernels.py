@@ -72,9 +72,10 @@ FLAGS = {"amx": ["-mavx512f", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"],
          "avx2": ["-mavx2", "-mfma"],
          "neon": []}  # the AArch64 baseline
 MODULE_NAMES = {"amx": NAME, "avx512-bf16": NAME + "_avx512bf16", "avx2": NAME + "_avx2", "neon": NAME + "_neon"}
-# Builds whose bf16 pair product is two FMAs (no bf16 dot-product instruction): on AVX2 a verify of k tokens was
-# measured compute-bound on 2 cores, several single steps' cost, which is why ``hyflash generate`` paces drafting
-# there; NEON has the same arithmetic (its speed on an Arm CPU is not yet measured), so it is paced too.
+# Builds whose bf16 pair product is two FMAs (no bf16 dot-product instruction): on AVX2 a verify's cost grows with
+# its rows (2-core AMD EPYC: SmolLM2's forward 9.1 ms for 1 token, 9.7 for 3, 12.0 for 5), so drafters there send a
+# smaller tree by default (``proposers.default_tree``); NEON has the same arithmetic (its speed on an Arm CPU is not
+# yet measured), so it does too.
 PAIRS_BY_FMA = ("avx2", "neon")
 
 

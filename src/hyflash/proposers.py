@@ -24,6 +24,17 @@ SHIPPED = Path(__file__).resolve().parent / "checkpoints"
 # than a plain step, the smaller tree's cheaper round wins (2 and 3 nodes tied with 4 on 8 prompts, at lower τ).
 # With the chunked attention and int8 drafter weights (later the same day), 5 nodes: τ 1.67, 1.30x; 4: 1.65, 1.33x.
 DEFAULT_TREE = 4
+# On the builds of our kernels whose bf16 pair products are two FMAs (kernels.PAIRS_BY_FMA: AVX2, and NEON by analogy)
+# a verify of k tokens is compute-bound, so a round costs more the larger its tree. On the AVX2 build (MT-Bench first
+# turns 1-20, 2-core AMD EPYC, 2026-12-01, benchmarks/results/mtbench_avx2_2026-12-01_*.txt) `ngram+auto` with a tree
+# of 2 was 1.04-1.26x plain decoding over five runs, with 3 nodes 0.96x and 4 nodes 1.01x in the same runs.
+DEFAULT_TREE_PAIRS_BY_FMA = 2
+
+
+def default_tree() -> int:
+    """The nodes of a drafter's tree unless its spec says ``#N``: ``DEFAULT_TREE``, or ``DEFAULT_TREE_PAIRS_BY_FMA``
+    on the builds of our kernels without bf16 dot products."""
+    return DEFAULT_TREE_PAIRS_BY_FMA if kernels.isa() in kernels.PAIRS_BY_FMA else DEFAULT_TREE
 
 
 def continuation(seq: list[int], k: int, max_ngram: int, min_ngram: int) -> list[int]:
@@ -400,6 +411,13 @@ def split_spec(spec: str) -> tuple[str, float | None, int | None]:
     return spec, confidence, tree
 
 
+def tree_nodes(proposer) -> int | None:
+    """The nodes of the tree the drafter behind ``proposer`` sends when greedy (0: a chain); None without a drafter."""
+    while isinstance(proposer, (PacedProposer, LookupThenDrafter)):
+        proposer = proposer.inner if isinstance(proposer, PacedProposer) else proposer.drafter
+    return proposer.tree if isinstance(proposer, HyFlashProposer) else None
+
+
 def load_proposer(spec: str, target, block_size: int | None = None, seed: int | None = None,
                   confidence: float | None = None, tree: int | None = None, weights: str | None = None):
     """``none`` | ``ngram`` | ``random`` | ``auto`` (the drafter shipped for this target, else ngram) | a drafter
@@ -407,7 +425,7 @@ def load_proposer(spec: str, target, block_size: int | None = None, seed: int | 
     A drafter spec may end in ``@C`` (e.g. ``auto@0.1``): adaptive block length with that confidence
     (``HyFlashProposer``); ``confidence`` does the same for a spec without one. It may end in ``#N`` (e.g.
     ``auto#12``): greedy decoding verifies a tree of N candidate tokens instead of a chain (``#0``: a chain);
-    ``tree`` likewise. Without either, a drafter sends a tree of ``DEFAULT_TREE`` nodes (an adaptive block length
+    ``tree`` likewise. Without either, a drafter sends a tree of ``default_tree()`` nodes (an adaptive block length
     alone means a chain). A trailing ``:bf16`` or ``:int8`` (e.g. ``auto#4:int8``; ``weights`` likewise) chooses the
     weights the C++ drafting path reads (``HyFlashProposer``; default ``DEFAULT_WEIGHTS``). ``paced:SPEC`` (e.g.
     ``paced:ngram+auto``) drafts with SPEC or takes plain steps, whichever measures faster (``PacedProposer``)."""
@@ -443,6 +461,6 @@ def load_proposer(spec: str, target, block_size: int | None = None, seed: int | 
     if not Path(spec).exists():
         raise HyflashError(f"unknown drafter {spec!r}: not none/ngram/auto and no such checkpoint directory")
     if tree is None:
-        tree = 0 if confidence else DEFAULT_TREE
+        tree = 0 if confidence else default_tree()
     return HyFlashProposer.from_pretrained(spec, target, seed=seed, confidence=confidence or 0.0, tree=tree,
                                            weights=weights)
