@@ -161,8 +161,8 @@ class HyFlashProposer:
         if d.config.causal_head_rank == 0:
             tree = sampling.greedy and self.tree > 1
             # a tree of N nodes reaches at most N slots deep, so the drafter computes only those: fewer rows through
-            # its layers and head (on AVX2, 2 of 7 slots drafted in 0.9 ms instead of 2.2), for a little less
-            # accuracy, since the slots attend among themselves
+            # its layers and head (benchmarks/bench_draft.py: on the AVX2 build 2 of the 7 slots take half the
+            # time), for slightly different guesses, since the slots attend among themselves (ab_draft_slots.py)
             logits = self.state.draft_logits(anchor, min(k, self.tree) if tree else None)[:k]
             if tree:
                 return self._tree(logits, min(self.tree, max_tokens))
