@@ -290,9 +290,9 @@ class LookupThenDrafter:
 class PacedProposer:
     """Drafts with ``inner`` or takes a plain step, whichever has been committing more tokens per second.
 
-    Where verifying a block costs several single steps (our kernels' AVX2 build on few cores: no bf16 dot-product
-    instruction, so a verify of k tokens is compute-bound), speculation can be slower than plain decoding; where a
-    verify costs about one step (AMX, AVX-512 BF16) it is faster. Which holds depends on the machine and the text,
+    Where verifying a block costs much more than a single step (a large tree on our kernels' AVX2 build on few
+    cores: no bf16 dot-product instruction, so a verify of many tokens is compute-bound), speculation can be slower
+    than plain decoding; where a verify costs about one step (AMX, AVX-512 BF16) it is faster. Which holds depends on the machine and the text,
     so this measures both as it goes. A round's time runs from one ``draft`` call to the next (drafting, the
     target's verify, the commit); its tokens are what ``commit`` receives. Each arm's rate is its tokens over its
     time, both sums decayed by ``memory`` per round of that arm (a ratio of sums: a drafting round's tokens vary
