@@ -169,6 +169,8 @@ def test_runner_is_resumable_and_lossless(tiny_setup, tmp_path):
     assert all(r["target_kv_bytes"] > 0 for r in rows)
     header = json.loads((out / "run.json").read_text())
     assert header["drafter_info"]["tiny"]["weights_sha256"] and header["commit"] and header["machine"]["cores"]
+    from hyflash.proposers import default_tree
+    assert header["drafter_info"]["tiny"]["tree"] == default_tree()  # the tree the spec resolved to, not None
     summary = (out / "summary.md").read_text()
     assert "| toy | 16-32 | tiny | 0 | 2 |" in summary
     with pytest.raises(HyflashError):  # other settings into the same folder
