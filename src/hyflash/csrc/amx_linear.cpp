@@ -60,8 +60,8 @@ inline void dp_rows(const hyflash::xpair* x, int64_t xs, int64_t K2, const uint3
 #ifdef __AVX512BF16__
 constexpr int kRowGroup = 6;  // 6 rows x 4 blocks: 24 accumulators in AVX-512's 32 registers
 #else
-constexpr int kRowGroup = 4;  // AVX2: 4 rows x 1 block x 2 halves, plus the block's 4 widened halves, in 16
-                               // (NEON, the same code: 16 quarters plus 8, in its 32)
+constexpr int kRowGroup = 4;  // NEON: 4 rows x 1 block x 4 quarters, plus the block's 8 widened quarters, in its 32
+                               // registers (this is how the AVX2 build ran before dp_stream, below)
 #endif
 
 template <int NB>
@@ -83,7 +83,7 @@ inline void dp_rows_nb(const hyflash::xpair* x32, int64_t xs, int64_t K2, int64_
 }
 
 // all M rows of x (stride xs pairs; in groups of kRowGroup) against nb <= 4 blocks over K2 pairs of k, into
-// acc [M x 64]; on AVX2 (and NEON) one block at a time (its registers hold one block's accumulators)
+// acc [M x 64]; on NEON one block at a time (the AVX2 build has dp_stream, below, instead)
 inline void dp_block_group(const hyflash::xpair* x32, int64_t xs, int64_t M, int64_t K2, const uint32_t* const* w,
                            int64_t nb, float* acc, bool add) {
   for (int64_t m0 = 0; m0 < M; m0 += kRowGroup) {
@@ -260,7 +260,7 @@ torch::Tensor huge_empty(int64_t nbytes) {
 // int8 weights for the drafter (a round reads half the bytes): per output column a symmetric scale (max |w| / 127)
 // and the codes in the bf16 tile order, each 16-column block as K * 16 codes followed by its 16 fp32 scales:
 // [N/16, K * 16 + 64] int8. amx_linear widens a block's codes to bf16 integers in a tile buffer just before
-// multiplying and scales each column's fp32 sum: y = bf16(scale * sum_k x_k code_k), the product with the weights
+// multiplying (the AVX2 build: straight to fp32 in registers, Q8Pairs) and scales each column's fp32 sum: y = bf16(scale * sum_k x_k code_k), the product with the weights
 // dequantise_q8 returns, up to fp32 rounding.
 torch::Tensor pack_q8(torch::Tensor w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kBFloat16, "pack_q8: a 2-D bf16 weight");
