@@ -27,7 +27,8 @@ DEFAULT_TREE = 4
 # On the builds of our kernels whose bf16 pair products are two FMAs (kernels.PAIRS_BY_FMA: AVX2, and NEON by analogy)
 # a verify of k tokens is compute-bound, so a round costs more the larger its tree. On the AVX2 build (MT-Bench first
 # turns 1-20, 2-core AMD EPYC, 2026-12-01, benchmarks/results/mtbench_avx2_2026-12-01_*.txt) `ngram+auto` with a tree
-# of 2 was 1.04-1.26x plain decoding over five runs, with 3 nodes 0.96x and 4 nodes 1.01x in the same runs.
+# of 2 was 1.00-1.26x plain decoding over eight runs; with 4 nodes 0.82-1.07x in the four that measured it, with 3
+# nodes 0.96x in the one.
 DEFAULT_TREE_PAIRS_BY_FMA = 2
 
 
