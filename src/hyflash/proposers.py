@@ -38,6 +38,13 @@ def default_tree() -> int:
     return DEFAULT_TREE_PAIRS_BY_FMA if kernels.isa() in kernels.PAIRS_BY_FMA else DEFAULT_TREE
 
 
+def resolve_tree(tree: int | None, confidence: float | None) -> int:
+    """The tree a drafter spec means: its ``#N``, else a chain with an adaptive block length, else ``default_tree()``."""
+    if tree is not None:
+        return tree
+    return 0 if confidence else default_tree()
+
+
 def continuation(seq: list[int], k: int, max_ngram: int, min_ngram: int) -> list[int]:
     """Up to ``k`` tokens that followed the most recent earlier occurrence of the last n tokens of ``seq`` (n from
     ``max_ngram`` down to ``min_ngram``, the longest match first); [] when none recurs."""
@@ -461,7 +468,6 @@ def load_proposer(spec: str, target, block_size: int | None = None, seed: int | 
         spec = str(path)
     if not Path(spec).exists():
         raise HyflashError(f"unknown drafter {spec!r}: not none/ngram/auto and no such checkpoint directory")
-    if tree is None:
-        tree = 0 if confidence else default_tree()
+    tree = resolve_tree(tree, confidence)
     return HyFlashProposer.from_pretrained(spec, target, seed=seed, confidence=confidence or 0.0, tree=tree,
                                            weights=weights)

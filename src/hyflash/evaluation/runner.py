@@ -68,7 +68,7 @@ def parse_drafters(spec: str) -> dict[str, str]:
 
 def drafter_info(spec: str, target) -> dict:
     from hyflash.drafter.config import DrafterConfig
-    from hyflash.proposers import DEFAULT_WEIGHTS, default_tree, shipped_drafter_path, split_spec, split_weights
+    from hyflash.proposers import DEFAULT_WEIGHTS, resolve_tree, shipped_drafter_path, split_spec, split_weights
 
     base, weights = split_weights(spec)  # "auto:bf16": the C++ drafting path on bf16 weights
     base, confidence, tree = split_spec(base)  # "auto@0.1": adaptive block length; "auto#12": a tree of 12
@@ -83,8 +83,7 @@ def drafter_info(spec: str, target) -> dict:
             "num_layers": cfg.num_layers, "window": cfg.window, "memory": cfg.memory,
             "memory_limit": cfg.memory_limit, "slot_attention": cfg.slot_attention,
             "draft_vocab_size": cfg.draft_vocab_size, "confidence": confidence or 0.0,
-            "tree": tree if tree is not None else 0 if confidence else default_tree(),  # as load_proposer resolves it
-            "weights": weights or DEFAULT_WEIGHTS}
+            "tree": resolve_tree(tree, confidence), "weights": weights or DEFAULT_WEIGHTS}
 
 
 def build_items(target, suites: list[str], buckets: list[str], limit: int, seed: int = 0) -> list[S.EvalItem]:
