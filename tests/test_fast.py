@@ -142,10 +142,12 @@ def test_gemma3_270m_fast_path_matches_transformers_beyond_the_sliding_window():
 
 
 # ------------------------------------------------------------------------------------------ tree verification
-def test_tree_forward_sees_each_path_as_a_chain_and_keeps_the_chosen_one(one_thread):
+@pytest.mark.parametrize("arch", ARCHS)  # Gemma 3: the 12-token prompt and the tree pass its 6-token window
+def test_tree_forward_sees_each_path_as_a_chain_and_keeps_the_chosen_one(one_thread, arch):
     """Every node of a candidate tree gets the logits and features its own path would get as a chain, and after
     keep_path the cache continues exactly like the chain of the kept path."""
-    _, fast = both(seed=3)
+    _, fast = both(seed=3, arch=arch)
+    assert fast.supports_tree
     prompt = torch.randint(1, 49, (12,), generator=torch.Generator().manual_seed(5))
     #            node: 1  2  3  4  5  6  7   (0 is the anchor)
     parents = [0, 1, 0, 2, 3, 1, 4]
@@ -176,8 +178,8 @@ def test_tree_forward_sees_each_path_as_a_chain_and_keeps_the_chosen_one(one_thr
     assert torch.allclose(fast.forward(nxt, cache).logits, fast.forward(nxt, ref).logits, atol=1e-10, rtol=1e-10)
     with pytest.raises(ValueError):
         fast.forward(tree[:3], fast.new_cache(8), parents=[1, 0])  # a parent after its child
-    slow = _llama(3, torch.float64)
-    with pytest.raises(HyflashError):
+    slow = ARCHS[arch](3, torch.float64)
+    with pytest.raises(HyflashError, match="fast=True"):
         slow.forward(tree[:3], slow.new_cache(), parents=[0, 0])  # transformers' path verifies chains only
 
 
@@ -218,15 +220,17 @@ class OracleTree:
         return 0
 
 
-def test_greedy_tree_generation_is_identical_and_takes_the_right_branch(one_thread):
-    _, fast = both(seed=1)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_tree_generation_is_identical_and_takes_the_right_branch(one_thread, arch):
+    seed = {"llama": 1, "gemma3": 2}[arch]  # tiny Gemma 3 with seed 1 ends (EOS) at once; with 2 it writes 23 tokens
+    _, fast = both(seed=seed, arch=arch)
     prompt = torch.randint(1, 49, (20,), generator=torch.Generator().manual_seed(2)).tolist()
     plain = generate(fast, prompt, None, max_new_tokens=40)
     tree = generate(fast, prompt, OracleTree(plain.token_ids, len(prompt)), max_new_tokens=40)
     assert tree.token_ids == plain.token_ids
     assert tree.stats.acceptance_length > 2.5  # two or three drafted tokens accepted in most rounds
     # where the target cannot verify a tree (transformers' path, or sampling), the tree's first chain is sent
-    slow = _llama(1, torch.float64)
+    slow = ARCHS[arch](seed, torch.float64)
     chain = generate(slow, prompt, OracleTree(plain.token_ids, len(prompt)), max_new_tokens=40)
     assert chain.token_ids == plain.token_ids and chain.stats.acceptance_length < 1.5  # the wrong chain
 
@@ -244,3 +248,25 @@ def test_bitwise_verify_is_claimed_only_where_it_holds():
     assert t16.bitwise_verify == (t16.lean.native is not None)
     if kernels.amx() is None:
         assert not t16.bitwise_verify
+    # Gemma 3: torch's lean forward, bitwise when every matmul is on our kernels (hidden 32: in_features they take)
+    g16 = tiny_gemma3(vocab=50, hidden=32, dtype=torch.bfloat16)
+    assert not g16.bitwise_verify
+    g16.use_fast_path()
+    assert g16.bitwise_verify == (kernels.amx() is not None)
+    g64 = tiny_gemma3(vocab=50, hidden=32)
+    g64.use_fast_path()
+    assert g64.bitwise_verify and not g64.lean.bitwise  # fp64: exact enough without the kernels' property
+
+
+def test_gemma3_without_our_kernels_does_not_claim_bitwise_verify(monkeypatch):
+    from hyflash import kernels
+
+    monkeypatch.setenv("HYFLASH_KERNELS", "0")
+    kernels.amx.cache_clear()
+    try:
+        g16 = tiny_gemma3(vocab=50, hidden=32, dtype=torch.bfloat16)
+        g16.use_fast_path()
+        assert not g16.lean.bitwise and not g16.bitwise_verify
+    finally:
+        monkeypatch.undo()
+        kernels.amx.cache_clear()

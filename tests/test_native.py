@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import tiny_llama
+from conftest import tiny_gemma3, tiny_llama
 from hyflash import HyflashError, kernels
 from hyflash.decoding import generate
 from hyflash.drafter.attention import rope_tables
@@ -87,11 +87,14 @@ def test_native_forward_gives_each_token_the_bits_of_a_single_token_step(start):
         assert torch.equal(tree.logits[path], torch.cat(steps))
 
 
+@pytest.mark.parametrize("window", [0, 3, 75])  # 0: none (Llama); 3: shorter than a path; 75: at start 200 the
+# rows' windows begin on both sides of a chunk edge (positions 126-131)
 @pytest.mark.parametrize("start", [5, 126, 200])
-def test_native_attention_gives_a_token_the_same_fp32_bits_alone_in_a_chain_and_in_a_tree(start):
+def test_native_attention_gives_a_token_the_same_fp32_bits_alone_in_a_chain_and_in_a_tree(start, window):
     """The C++ attention before its bf16 rounding (where a different summation would show): SmolLM2's geometry
     (9 query heads over 3 kv heads of 64), keys chunked by position, trees whose slots and positions fall in
-    different chunks."""
+    different chunks; also in a sliding window (Gemma 3's local layers: a token at position p sees p - window + 1
+    .. p), where a row alone skips chunks a block computes."""
     amx = kernels.amx()
     g = torch.Generator().manual_seed(start)
     H, Hkv, hd, cap = 9, 3, 64, 240
@@ -108,7 +111,8 @@ def test_native_attention_gives_a_token_the_same_fp32_bits_alone_in_a_chain_and_
         n = len(slots)
         sees = torch.ones(n, n, dtype=torch.bool).tril() if parents is None else \
             __import__("hyflash.fast", fromlist=["tree_mask"]).tree_mask(parents, start)[1]
-        return amx.llama_attention(nodes_q[slots].contiguous(), kk, vv, start, sees.contiguous(), H, hd ** -0.5)
+        return amx.llama_attention(nodes_q[slots].contiguous(), kk, vv, start, sees.contiguous(), H, hd ** -0.5,
+                                   window)
 
     for parents, path in (([0, 0, 1, 1], [0, 1, 4]), ([0, 1, 0, 2], [0, 1, 2, 4]), ([0, 0, 2], [0, 2, 3]),
                           ([0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5])):
@@ -124,9 +128,11 @@ def test_native_attention_gives_a_token_the_same_fp32_bits_alone_in_a_chain_and_
     for i in range(3):
         kk[:, start + i], vv[:, start + i] = nodes_k[i].float(), nodes_v[i].float()
     q = nodes_q[:3].float().view(3, H, hd).transpose(0, 1)
+    pos, key = torch.arange(start, start + 3)[:, None], torch.arange(start + 3)[None, :]
+    visible = (key <= pos) & ((key > pos - window) if window else True)
     ref = torch.nn.functional.scaled_dot_product_attention(
         q, kk[:, : start + 3].repeat_interleave(H // Hkv, 0), vv[:, : start + 3].repeat_interleave(H // Hkv, 0),
-        attn_mask=torch.ones(3, start + 3, dtype=torch.bool).tril(start), scale=hd ** -0.5)
+        attn_mask=visible, scale=hd ** -0.5)
     assert torch.allclose(out.view(3, H, hd).transpose(0, 1), ref, atol=1e-4, rtol=1e-3)
 
 
@@ -202,6 +208,96 @@ def test_bf16_speculative_greedy_output_equals_plain_decoding_on_the_native_path
         assert generate(target, prompt, proposer, max_new_tokens=40).token_ids == plain
 
 
+def bf16_gemma3(seed=0, window=6):
+    """Every matmul in_features a multiple of 32 (our kernels' smallest), sliding layers (window 6) and full ones."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(seed)
+    cfg = Gemma3TextConfig(vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                           num_attention_heads=2, num_key_value_heads=1, head_dim=64, sliding_window=window,
+                           layer_types=["sliding_attention", "full_attention"] * 2, max_position_embeddings=1024,
+                           eos_token_id=63, bos_token_id=2, pad_token_id=0)
+    model = Gemma3ForCausalLM(cfg).to(torch.bfloat16)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(0.2)  # keep the scaled embeddings in a tame range
+    from hyflash.target import Target
+
+    target = Target(model, None, "tiny-gemma3-bf16", feature_layers=[0, 1])
+    target.use_fast_path()
+    assert target.lean.bitwise and target.bitwise_verify and target.supports_tree
+    return target
+
+
+# 4: inside the 6-token window; 19: sliding layers drop keys; 300 and 600: long enough for SDPA over several queries
+# at once to round differently from one query at a time (600 fails when the block attends all at once; at the
+# shorter starts the two happen to round alike)
+def test_gemma3_cpp_attention_computes_the_torch_lean_forward():
+    """Gemma 3's bitwise forward (the C++ attention, windows included) against the same forward with SDPA, all
+    queries at once under masks: bf16 values close, the same argmax almost everywhere."""
+    target = bf16_gemma3(seed=2)
+    lean = target.lean
+    assert lean.cpp_attention is not None
+    prompt = torch.randint(1, 63, (40,), generator=torch.Generator().manual_seed(0))
+    steps = [torch.tensor([5]), torch.tensor([7, 8, 9, 10]), torch.tensor([11, 12, 13, 14, 15, 16, 17, 18])]
+    runs = {}
+    for bitwise in (True, False):
+        lean.bitwise = bitwise
+        try:
+            cache = target.new_cache(64)
+            target.forward(prompt, cache)  # 40 tokens: SDPA either way
+            runs[bitwise] = [target.forward(ids, cache) for ids in steps]
+        finally:
+            lean.bitwise = True
+    for a, b in zip(runs[True], runs[False]):
+        assert _close(a.logits, b.logits) and _close(a.features, b.features)
+        assert (a.logits.argmax(-1) == b.logits.argmax(-1)).float().mean() >= 0.8
+
+
+@pytest.mark.parametrize("start", [4, 19, 300, 600])
+def test_gemma3_forward_gives_each_token_the_bits_of_a_single_token_step(start):
+    """Gemma 3 runs the torch lean forward, its matmuls on our kernels and each new token attending alone: a block,
+    and each node of a tree, get the bits (logits, features, cached keys) of single-token steps along its path."""
+    target = bf16_gemma3(seed=1)
+    prompt = torch.randint(1, 63, (start,), generator=torch.Generator().manual_seed(1))
+    block = [3, 14, 15, 9, 26, 5, 35, 8]  # 8 tokens: the last ones' windows start inside the block
+    cache = target.new_cache(start + 16)
+    target.forward(prompt, cache)
+    together = target.forward(torch.tensor(block), cache)
+    k_together = [k[0, :, start:start + 8].clone() for k in cache.k]
+    target.rollback(cache, start)
+    one_by_one = [target.forward(torch.tensor([t]), cache) for t in block]
+    assert torch.equal(together.logits, torch.cat([o.logits for o in one_by_one]))
+    assert torch.equal(together.features, torch.cat([o.features for o in one_by_one]))
+    assert all(torch.equal(a, k[0, :, start:start + 8]) for a, k in zip(k_together, cache.k))
+    # trees, also with slots out of depth order (the second's depths are 0, 1, 2, 1, 3) and a path of 7 nodes whose
+    # deepest sees fewer than all of them in a sliding layer (the third)
+    for parents, path in (([0, 0, 1, 1], [0, 1, 4]), ([0, 1, 0, 2], [0, 1, 2, 4]),
+                          ([0, 0, 1, 3, 4, 5, 6], [0, 1, 3, 4, 5, 6, 7])):
+        nodes = [3, 14, 40, 15, 41, 9, 26, 5][: len(parents) + 1]
+        target.rollback(cache, start)
+        tree = target.forward(torch.tensor(nodes), cache, parents=parents)
+        target.rollback(cache, start)
+        steps = [target.forward(torch.tensor([nodes[i]]), cache).logits for i in path]
+        assert torch.equal(tree.logits[path], torch.cat(steps))
+        target.rollback(cache, start)
+        target.forward(torch.tensor(nodes), cache, parents=parents)
+        target.keep_path(cache, start, path)  # the kept path: the next step sees what single steps wrote
+        after = target.forward(torch.tensor([7]), cache).logits
+        target.rollback(cache, start)
+        for i in path:
+            target.forward(torch.tensor([nodes[i]]), cache)
+        assert torch.equal(after, target.forward(torch.tensor([7]), cache).logits)
+
+
+def test_gemma3_bf16_speculative_greedy_output_equals_plain_decoding():
+    target = bf16_gemma3(seed=3)
+    drafter = _bf16_drafter(target, window=8)
+    prompt = torch.randint(1, 63, (12,), generator=torch.Generator().manual_seed(3)).tolist()
+    plain = generate(target, prompt, None, max_new_tokens=40).token_ids
+    for proposer in (HyFlashProposer(drafter), HyFlashProposer(drafter, tree=6), NgramProposer(block_size=5)):
+        assert generate(target, prompt, proposer, max_new_tokens=40).token_ids == plain
+
+
 @pytest.mark.slow
 def test_smollm2_bf16_speculative_output_is_token_identical_to_plain():
     from hyflash.data.sources import SOURCES
@@ -216,6 +312,24 @@ def test_smollm2_bf16_speculative_output_is_token_identical_to_plain():
         plain = generate(target, ids, None, max_new_tokens=64).token_ids
         for proposer in drafters:
             assert generate(target, ids, proposer, max_new_tokens=64).token_ids == plain
+
+
+@pytest.mark.slow
+def test_gemma3_270m_bf16_prompt_lookup_output_is_token_identical_to_plain():
+    """The long-context target in bf16: with its verify attending all at once these two prompts left plain decoding's
+    text at tokens 2 and 25 (benchmarks/check_identity.py, AVX-512 BF16 build, 2026-12-01)."""
+    from hyflash.target import Target
+
+    target = Target.load("gemma3-270m", dtype="bf16", fast=True)
+    assert target.bitwise_verify and target.supports_tree
+    taus = []
+    for prompt in ("Describe how a bicycle works.", "Write a Python function that reverses a string."):
+        ids = target.encode(prompt)
+        plain = generate(target, ids, None, max_new_tokens=64).token_ids
+        spec = generate(target, ids, NgramProposer(), max_new_tokens=64)
+        assert spec.token_ids == plain, prompt
+        taus.append(spec.stats.acceptance_length)
+    assert max(taus) > 1.5  # drafts were accepted: many-token verifies were exercised
 
 
 def test_native_keep_path_moves_the_same_entries_as_the_torch_gather():

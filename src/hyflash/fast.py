@@ -5,9 +5,10 @@ every matrix is also kept once packed, ``PackedLinear``: our AMX kernel's tiles,
 the same function — RMSNorm in fp32 then back to the model dtype, RoPE from the model's own inverse frequencies,
 grouped-query attention by SDPA, SiLU-gated MLP — with a handful of tensor operations per layer and no per-step
 allocation of the cache: keys and values are written in place, and a rollback only moves the length. For Llama in
-bf16 on CPUs with AMX, forwards of up to 16 tokens run as one C++ call instead (``LeanLlama.native``,
-csrc/lean_llama.cpp), batch-invariant so that verifying k tokens gives each the bits of a single-token step. Used by
-``Target`` when loaded with ``fast=True``.
+bf16 on CPUs with our kernels, forwards of up to 16 tokens run as one C++ call instead (``LeanLlama.native``,
+csrc/lean_llama.cpp), batch-invariant so that verifying k tokens gives each the bits of a single-token step. Gemma 3
+gets the same property in torch (``LeanGemma3.bitwise``): its matmuls run on our batch-invariant kernels and each
+new token attends alone. Used by ``Target`` when loaded with ``fast=True``.
 """
 
 from __future__ import annotations
@@ -135,6 +136,11 @@ class LeanLlama:
     def new_cache(self, capacity: int) -> StaticCache:
         return StaticCache(self.n_layers, self.Hkv, self.hd, capacity, self.embed.dtype, self.embed.device)
 
+    @property
+    def bitwise(self) -> bool:
+        """Whether a forward of 1-16 tokens gives each the bits a single-token step would (the C++ forward)."""
+        return self.native is not None
+
     def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
@@ -230,7 +236,18 @@ class LeanGemma3:
     fp32, norms after attention and after the MLP, a GELU(tanh)-gated MLP, the embedding scaled by √hidden, and
     layers of two kinds — sliding-window layers (each query sees the last ``sliding_window`` positions, itself
     included; RoPE with the local base) and full-attention layers (the global base, possibly linearly scaled).
-    Every layer keeps its whole history in the static cache, so a rollback stays a move of the length."""
+    Every layer keeps its whole history in the static cache, so a rollback stays a move of the length.
+
+    Batch invariance without a whole C++ forward (``bitwise``): when every matmul runs on our kernels (bf16 on a CPU
+    they build for), a matmul row's bits do not depend on the rows multiplied with it, and the norms, RoPE and GELU
+    work row by row. Attention is what remains: SDPA over several queries at once rounds differently from SDPA over
+    one. So a forward of 1-16 new tokens (a decoding step, a verify, a tree) attends through the C++ attention of
+    the Llama forward (csrc/lean_llama.cpp, with Gemma's sliding window), which gives a token the same bits alone,
+    in a chain or in a tree, and is 10-20x faster than SDPA for one query here; where the geometry does not suit
+    it, each token attends alone through SDPA, to exactly the keys a single-token step at its place would see.
+    Verifying k tokens then gives each the bits of a single step, so greedy speculative decoding in bf16 is
+    token-identical to plain decoding (tests/test_native.py). Longer forwards (prompts) attend all at once under a
+    mask."""
 
     def __init__(self, model, pack: bool = True):
         c = model.config
@@ -265,6 +282,12 @@ class LeanGemma3:
                     gate_up=PackedLinear(torch.cat([m.gate_proj.weight, m.up_proj.weight]), pack),
                     down=PackedLinear(m.down_proj.weight, pack)))
         self.inter = self.layers[0]["gate_up"].out_features // 2
+        linears = [L[name] for L in self.layers for name in ("qkv", "o", "gate_up", "down")] + [self.head]
+        gather_on_huge_pages(linears)
+        self.bitwise = all(lin.amx is not None for lin in linears)
+        # the C++ attention where it takes this geometry (its checks: lean_llama.cpp llama_attention)
+        self.cpp_attention = kernels.amx() if self.bitwise and self.hd % 32 == 0 and self.hd <= 256 \
+            and self.H % self.Hkv == 0 and self.H // self.Hkv <= 8 else None
 
     new_cache = LeanLlama.new_cache  # the same static cache (same attribute names)
 
@@ -278,23 +301,53 @@ class LeanGemma3:
         emb = torch.cat([freqs, freqs], dim=-1)
         return (emb.cos() * scaling).to(dtype)[None], (emb.sin() * scaling).to(dtype)[None]
 
+    def _keys_each(self, start: int, parents: list[int] | None, n: int) -> list[dict[bool, slice | torch.Tensor]]:
+        """For each new token, the cache entries it attends to in a sliding (True) and a full (False) layer: those a
+        single-token step at its place would see, in the same order — the committed positions, then its ancestors
+        and itself (their entries sit at start + node). A slice where they are contiguous, else an index."""
+        paths = [[0]]
+        for i, p in enumerate(parents or range(n - 1), start=1):
+            paths.append(paths[p] + [i])
+        out = []
+        for path in paths:
+            pos = start + len(path) - 1  # the token's position: start + its depth
+            each = {}
+            for sliding in (True, False):
+                lo = max(0, pos - self.window + 1) if sliding else 0
+                if path == list(range(len(path))):
+                    each[sliding] = slice(lo, start + len(path))
+                else:
+                    tail = [start + node for depth, node in enumerate(path) if start + depth >= lo]
+                    each[sliding] = torch.cat([torch.arange(lo, start), torch.tensor(tail)]) if lo < start \
+                        else torch.tensor(tail)
+            out.append(each)
+        return out
+
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, cache: StaticCache, feature_layers: list[int] | None,
-                last_only: bool = False):
+                parents: list[int] | None = None, last_only: bool = False):
         """ids [n] after cache.length cached tokens → (fp32 logits [n, V] ([1, V] with ``last_only``), features
-        [n, F] or None, None)."""
+        [n, F] or None, None). ``parents``: the new tokens form a tree, as in ``LeanLlama.forward``."""
         n = ids.shape[0]
         start, end = cache.span(n)
         h = F.embedding(ids, self.embed) * self.embed_scale.to(self.embed.dtype)
-        positions = torch.arange(start, end, device=ids.device)
+        if parents is None:
+            positions = torch.arange(start, end, device=ids.device)
+        else:
+            positions = tree_mask(parents, start)[0].to(ids.device)
         rope = {kind: self._rope(kind, positions, h.dtype) for kind in self.rope}
         H, Hkv, hd = self.H, self.Hkv, self.hd
-        # keys a new query may see: full layers all of 0..q; sliding layers q − window < key ≤ q
-        lo = max(0, start - self.window + 1)  # the oldest key any of the n queries sees in a sliding layer
-        keys = torch.arange(end, device=ids.device)
-        full_mask = None if n == 1 else keys[None, :] <= positions[:, None]
-        sliding_mask = None  # one query sees exactly keys lo..start: the slice is the window, no mask needed
-        if n > 1:
+        cpp = self.cpp_attention if self.bitwise and n <= AMX_MAX_ROWS else None
+        each = None  # else one token at a time: a step, a tree, and every forward kept batch-invariant (the class)
+        if cpp is not None:
+            sees = tree_mask(parents, start)[1] if parents is not None else torch.ones(n, n, dtype=torch.bool).tril()
+        elif n == 1 or parents is not None or (self.bitwise and n <= AMX_MAX_ROWS):
+            each = self._keys_each(start, parents, n)
+        else:  # a chain of new tokens, all at once
+            # keys a new query may see: full layers all of 0..q; sliding layers q − window < key ≤ q
+            lo = max(0, start - self.window + 1)  # the oldest key any of the n queries sees in a sliding layer
+            keys = torch.arange(end, device=ids.device)
+            full_mask = keys[None, :] <= positions[:, None]
             k_abs = keys[lo:]
             sliding_mask = (k_abs[None, :] <= positions[:, None]) & (k_abs[None, :] > positions[:, None] - self.window)
         keep = set(feature_layers or [])
@@ -309,10 +362,20 @@ class LeanGemma3:
             ck, cv = cache.k[i], cache.v[i]
             ck[0, :, start:end] = k
             cv[0, :, start:end] = v
-            first, mask = (lo, sliding_mask) if L["sliding"] else (0, full_mask)
-            o = F.scaled_dot_product_attention(q[None], ck[:, :, first:end], cv[:, :, first:end],
-                                               attn_mask=mask, scale=self.scale, enable_gqa=True)
-            h = h + self._norm(L["o"](o[0].transpose(0, 1).reshape(n, H * hd)), L["norm_attn"])
+            if cpp is not None:
+                attn = cpp.llama_attention(q.transpose(0, 1).reshape(n, H * hd).contiguous(), ck[0], cv[0], start,
+                                           sees, H, self.scale, self.window if L["sliding"] else 0).to(h.dtype)
+            else:
+                if each is not None:
+                    o = torch.cat([F.scaled_dot_product_attention(
+                        q[None, :, j:j + 1], ck[:, :, e[L["sliding"]]], cv[:, :, e[L["sliding"]]], scale=self.scale,
+                        enable_gqa=True) for j, e in enumerate(each)], dim=2)
+                else:
+                    first, mask = (lo, sliding_mask) if L["sliding"] else (0, full_mask)
+                    o = F.scaled_dot_product_attention(q[None], ck[:, :, first:end], cv[:, :, first:end],
+                                                       attn_mask=mask, scale=self.scale, enable_gqa=True)
+                attn = o[0].transpose(0, 1).reshape(n, H * hd)
+            h = h + self._norm(L["o"](attn), L["norm_attn"])
             gu = L["gate_up"](self._norm(h, L["norm_pre_ff"]))
             mlp = L["down"](F.gelu(gu[:, : self.inter], approximate=self.approximate) * gu[:, self.inter:])
             h = h + self._norm(mlp, L["norm_post_ff"])

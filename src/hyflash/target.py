@@ -333,19 +333,19 @@ class Target:
     @property
     def bitwise_verify(self) -> bool:
         """Whether verifying k tokens in one forward gives each the bits a 1-token step would, so that greedy
-        speculative decoding is token-identical to plain decoding by construction: our C++ forward (bf16 on x86-64 CPUs with
-        AMX, AVX-512 BF16 or AVX2 and FMA, and on 64-bit Arm Linux with NEON, ``hyflash.kernels``) is. Torch's bf16 matmuls round differently by batch shape, so
+        speculative decoding is token-identical to plain decoding by construction: our lean forward on our C++ kernels (bf16
+        on x86-64 CPUs with AMX, AVX-512 BF16 or AVX2 and FMA, and on 64-bit Arm Linux with NEON, ``hyflash.kernels``;
+        Llama's whole forward in C++, Gemma 3's matmuls, ``hyflash.fast``) is. Torch's bf16 matmuls round differently by batch shape, so
         without those kernels a near-tie can go the other way (on an AMD EPYC with the kernels switched off: 6 of 8
         prompts left plain decoding's text within 64 tokens); in fp32 such differences are ~1e-7, far below any tie
         in our tests (8 of 8 identical)."""
-        return self.dtype != torch.bfloat16 or getattr(self.lean, "native", None) is not None
+        return self.dtype != torch.bfloat16 or getattr(self.lean, "bitwise", False)
 
     @property
     def supports_tree(self) -> bool:
-        """Whether ``forward`` verifies a tree of candidates (our lean Llama forward; greedy decoding uses it)."""
-        from hyflash.fast import LeanLlama
-
-        return isinstance(self.lean, LeanLlama)
+        """Whether ``forward`` verifies a tree of candidates (our lean forward, Llama or Gemma 3; greedy decoding
+        uses it)."""
+        return self.lean is not None
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, cache, features: bool = True,
@@ -360,7 +360,8 @@ class Target:
             raise HyflashError(f"sequence of {start + ids.shape[1]} tokens exceeds the target's context "
                                f"window of {self.max_context}")
         if parents is not None and not (self.supports_tree and hasattr(cache, "capacity")):
-            raise HyflashError("tree verification needs the fast path of a Llama target (Target.supports_tree)")
+            raise HyflashError("tree verification needs the fast path (Target.supports_tree): load the target "
+                               "with fast=True")
         if self.lean is not None and hasattr(cache, "capacity"):
             extra = {} if parents is None else {"parents": parents}
             logits, feats, top = self.lean.forward(ids[0], cache, self.feature_layers if features else None,

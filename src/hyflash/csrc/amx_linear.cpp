@@ -452,7 +452,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantise_q8", &dequantise_q8, "the weight a pack_q8 tensor stands for (given K), fp32");
   m.def("linear", &amx_linear, "x [M<=16, K] bf16 @ w.T from pack(w) -> [M, N rounded up to 16] bf16");
   m.def("llama_forward", &llama_forward, "one forward of a Llama decoder over <= 16 new tokens (lean_llama.cpp)");
-  m.def("llama_attention", &llama_attention, "llama_forward's attention alone, in fp32 (tests; lean_llama.cpp)");
+  m.def("llama_attention", &llama_attention,
+        "llama_forward's attention alone, in fp32, optionally in a sliding window (Gemma 3's; lean_llama.cpp)",
+        pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("start"), pybind11::arg("mask"),
+        pybind11::arg("heads"), pybind11::arg("scale"), pybind11::arg("window") = 0);
   m.def("cache_keep", &cache_keep, "keep a verified tree path in bf16 static-cache buffers (lean_llama.cpp)");
   m.def("drafter_commit", &drafter_commit, "fold <= 16 verified features into a drafter's state (drafter.cpp)");
   m.def("top_probs", &top_probs, "the k most probable entries of each row of softmax(logits) (drafter.cpp)");

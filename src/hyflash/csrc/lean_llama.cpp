@@ -9,6 +9,7 @@
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
+#include <algorithm>
 #include <cmath>
 #include <memory>
 
@@ -56,11 +57,17 @@ void rope(bf16* x, const bf16* cos, const bf16* sin, int64_t hd) {
 // independent of the other rows and keys in the tile; within a chunk, a row's maximum, exponentials, sum and
 // p·v run in key order with masked keys adding exact zeros; chunks are merged in order, skipping those where the
 // row sees nothing. Softmax and p·v are fp32, the output is rounded to bf16 once.
+//
+// A sliding window (`window` > 0, Gemma 3's local layers): a token at position p sees only keys at positions
+// p - window + 1 .. p. Keys outside a row's window are masked like any unseen key, and chunks wholly below every
+// row's window are not computed at all. A row alone runs from its own first chunk, in a block from the block's
+// first: the chunks in between are ones it sees nothing of, which the merge skips, so its bits are the same.
 constexpr int64_t kChunk = 64;
 
 class Attention {
  public:
-  Attention(int64_t n, int64_t start, int64_t H, int64_t Hkv, int64_t hd, float scale, const bool* mask)
+  Attention(int64_t n, int64_t start, int64_t H, int64_t Hkv, int64_t hd, float scale, const bool* mask,
+            int64_t window = 0)
       : n_(n), start_(start), H_(H), Hkv_(Hkv), hd_(hd), group_(H / Hkv), scale_(scale), mask_(mask) {
     R_ = n * group_;
     RB_ = (R_ + 15) / 16;
@@ -73,14 +80,22 @@ class Attention {
       deepest = std::max(deepest, depth_[i]);
     }
     chunks_ = (start + deepest) / kChunk + 1;
+    // the first key each token sees: start + depth - window + 1 in a sliding window, else 0
+    low_.assign(n, 0);
+    if (window > 0)
+      for (int64_t i = 0; i < n; ++i) low_[i] = std::max<int64_t>(0, start + depth_[i] - window + 1);
+    first_chunk_ = *std::min_element(low_.begin(), low_.end()) / kChunk;
+    chunks_ -= first_chunk_;  // chunks are counted from first_chunk_ on
     // which of a row block's 16 query rows see new token j: bit c for row rb * 16 + c
     new_sees_.assign(RB_ * n, 0);
     for (int64_t rb = 0; rb < RB_; ++rb)
       for (int64_t c = 0; c < 16; ++c) {
         const int64_t r = rb * 16 + c;
         if (r >= R_) break;
+        const int64_t i = r / group_;
         for (int64_t j = 0; j < n; ++j)
-          if (mask[(r / group_) * n + j]) new_sees_[rb * n + j] |= static_cast<uint16_t>(1u << c);
+          if (mask[i * n + j] && start + depth_[j] >= low_[i])
+            new_sees_[rb * n + j] |= static_cast<uint16_t>(1u << c);
       }
     qt_.resize(Hkv * RB_ * (hd / 32) * 512);
     part_m_.resize(Hkv * chunks_ * RB_ * 16);
@@ -164,8 +179,9 @@ class Attention {
 #endif
   }
 
+  // chunk c (of those from first_chunk_ on): keys at positions (first_chunk_ + c) * kChunk and the next kChunk - 1
   void chunk(int64_t kv, int64_t c, const bf16* kc, const bf16* vc, int64_t cap) {
-    const int64_t lo = c * kChunk, hi = lo + kChunk, halves = hd_ / 32;
+    const int64_t lo = (first_chunk_ + c) * kChunk, hi = lo + kChunk, halves = hd_ / 32;
     const bf16* kb = kc + kv * cap * hd_;
     const bf16* vb = vc + kv * cap * hd_;
     int64_t keys[kChunk + 16];  // physical slots in logical order
@@ -191,18 +207,26 @@ class Attention {
         }
         scores(a, qt_.data() + (kv * RB_ + rb) * halves * 512, halves, score + 16 * b * 16);
       }
+      // which rows see each cached key: all valid rows, but in a sliding window only those whose window holds it
+      uint16_t cached_sees[kChunk];
+      for (int64_t k = 0; k < cached; ++k) {
+        uint16_t bits = valid;
+        for (int64_t c2 = 0; c2 < 16 && rb * 16 + c2 < R_; ++c2)
+          if (keys[k] < low_[(rb * 16 + c2) / group_]) bits &= static_cast<uint16_t>(~(1u << c2));
+        cached_sees[k] = bits;
+      }
       // per query row (a lane): the chunk's maximum, exponentials and their sum, in key order
       const vf scale = vset(scale_);
       vf best = vset(-INFINITY);
       for (int64_t k = 0; k < count; ++k) {
-        const vmask sees = k < cached ? valid : new_sees_[rb * n_ + (keys[k] - start_)];
+        const vmask sees = k < cached ? cached_sees[k] : new_sees_[rb * n_ + (keys[k] - start_)];
         const vf s = vmul(vload(score + k * 16), scale);
         vstore(score + k * 16, s);
         best = vmax_where(best, sees, s);
       }
       vf total = vzero();
       for (int64_t k = 0; k < count; ++k) {
-        const vmask sees = k < cached ? valid : new_sees_[rb * n_ + (keys[k] - start_)];
+        const vmask sees = k < cached ? cached_sees[k] : new_sees_[rb * n_ + (keys[k] - start_)];
         const vf p = vkeep(sees, exp16(vsub(vload(score + k * 16), best)));
         vstore(score + k * 16, p);
         total = vadd(total, p);
@@ -254,10 +278,10 @@ class Attention {
     }
   }
 
-  int64_t n_, start_, H_, Hkv_, hd_, group_, R_, RB_, chunks_;
+  int64_t n_, start_, H_, Hkv_, hd_, group_, R_, RB_, chunks_, first_chunk_ = 0;
   float scale_;
   const bool* mask_;
-  std::vector<int64_t> depth_;
+  std::vector<int64_t> depth_, low_;
   std::vector<uint16_t> new_sees_;
   std::vector<bf16> qt_;  // query B tiles (uint32 pairs viewed as bf16)
   std::vector<float> part_m_, part_s_, part_o_;
@@ -371,14 +395,15 @@ std::vector<torch::Tensor> llama_forward(
 // The attention of llama_forward alone, before its rounding to bf16 (for tests of its batch invariance):
 // q [n, H * hd] bf16 (rotated), k/v caches [Hkv, cap, hd] holding the new tokens' entries at start.., mask [n, n]
 torch::Tensor llama_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t start, torch::Tensor mask,
-                              int64_t H, double scale) {
+                              int64_t H, double scale, int64_t window) {
   const int64_t n = q.size(0), Hkv = k.size(0), cap = k.size(1), hd = k.size(2);
   TORCH_CHECK(q.scalar_type() == torch::kBFloat16 && k.scalar_type() == torch::kBFloat16 && q.is_contiguous()
               && k.is_contiguous() && v.is_contiguous() && q.size(1) == H * hd && hd % 32 == 0 && hd <= 256
               && H % Hkv == 0 && n >= 1 && n <= 16 && start + n <= cap, "llama_attention: unsupported arguments");
   TORCH_CHECK(mask.scalar_type() == torch::kBool && mask.size(0) == n && mask.size(1) == n && mask.is_contiguous());
   auto out = torch::empty({n, H * hd}, q.options().dtype(torch::kFloat32));
-  Attention attention(n, start, H, Hkv, hd, static_cast<float>(scale), mask.data_ptr<bool>());
+  TORCH_CHECK(window >= 0, "llama_attention: window must be >= 0 (0: none)");
+  Attention attention(n, start, H, Hkv, hd, static_cast<float>(scale), mask.data_ptr<bool>(), window);
   attention.run(q.data_ptr<bf16>(), H * hd, k.data_ptr<bf16>(), v.data_ptr<bf16>(), cap, nullptr,
                 out.data_ptr<float>());
   return out;
