@@ -272,6 +272,9 @@ def test_paper_claims_check_the_bars_on_hand_made_numbers():
     assert rows["4K-8K"].endswith("**met** |") and "| 10.00 | 1.25 |" in rows["4K-8K"]
     assert "| probe_distant | 4K-8K | 0.80 | memory-limited: 0.20 | swa: 0.30 | full: – | 4.00 / 2.67 |" in md
     assert "1,000 B in every bucket" in md and "identical across buckets: **met**" in md
+    # short suites only (no bucket): no claims section, not an empty header
+    short = {("mtbench", None, d, 0.0): {"tau": 1.5, "n": 2, "drafter_bytes": (1000, 1000)} for d in ("h", "f", "s")}
+    assert paper_claims(short, infos) == []
 
 
 def _bucket_lo(b):
@@ -352,3 +355,25 @@ def test_training_report_counts_parameters_at_the_targets_width():
     d = DrafterConfig(**{**cfg["drafter"], "target_hidden_size": 640})
     emb = torch.zeros(1, 640)
     assert trainable_parameters(cfg) == HyFlashDrafter(d, emb, emb).num_parameters() == 15_917_344  # as the run printed
+
+
+@pytest.mark.slow
+def test_every_committed_report_is_rebuilt_by_make_reports_from_the_kept_runs(tmp_path):
+    """scripts/make_reports.sh, run on a copy of reports/runs/, writes every committed REPORT.md (and the eval-run
+    comparison) again, byte for byte: each number in reports/ comes from a kept raw file and a listed command."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    shutil.copytree(repo / "reports" / "runs", tmp_path / "reports" / "runs")
+    for f in ("scripts/make_reports.sh", "benchmarks/compare_eval_runs.py"):
+        (tmp_path / f).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(repo / f, tmp_path / f)
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", MPLBACKEND="Agg")
+    subprocess.run(["bash", "scripts/make_reports.sh"], cwd=tmp_path, env=env, check=True, capture_output=True)
+    committed = sorted(p.relative_to(repo) for p in (repo / "reports").glob("*/REPORT.md"))
+    assert len(committed) >= 20
+    for rel in committed + [Path("reports/runs/gemma3-cpp-attention-ngram/compare_with_gemma3-gpu-long.txt")]:
+        assert (tmp_path / rel).read_text() == (repo / rel).read_text(), rel

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Rebuild every report in reports/ from the raw results kept in reports/runs/ (no model runs: tables and plots only).
+# Run from the repository root:   bash scripts/make_reports.sh
+# The commands are the ones each report names in its first line; reports/README.md says what each report shows.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+R=reports/runs
+
+# hyflash eval results -> long-context, short-suite and probe tables, and their plots
+hyflash report $R/smollm2-variants-mtbench --out reports/smollm2-variants-mtbench
+hyflash report $R/smollm2-long --out reports/smollm2-long
+hyflash report $R/smollm2-slot-probe --out reports/smollm2-slot-probe
+hyflash report $R/smollm2-recall-probe --out reports/smollm2-recall-probe
+hyflash report $R/gemma3-long --out reports/gemma3-long
+hyflash report $R/gemma3-long-1200 --out reports/gemma3-long-1200
+hyflash report $R/gemma3-slot-probe --out reports/gemma3-slot-probe
+hyflash report $R/gemma3-gpu-long $R/gemma3-gpu-hotpotqa --out reports/gemma3-gpu-long
+hyflash report $R/gemma3-gpu-slot-probe --out reports/gemma3-gpu-slot-probe
+hyflash report $R/gemma3-gpu-long-t1 $R/gemma3-gpu-hotpotqa-t1 --out reports/gemma3-gpu-long-t1
+hyflash report $R/gemma3-mem512-distant --out reports/gemma3-mem512-distant
+hyflash report $R/gemma3-gdn-depth1-distant --out reports/gemma3-gdn-depth1-distant
+hyflash report $R/gemma3-gdn-depth1-distant $R/gemma3-depth3-distant --out reports/gemma3-depth-distant
+hyflash report $R/gemma3-cpp-attention-ngram --out reports/gemma3-cpp-attention-ngram
+python benchmarks/compare_eval_runs.py $R/gemma3-gpu-long $R/gemma3-cpp-attention-ngram \
+    > $R/gemma3-cpp-attention-ngram/compare_with_gemma3-gpu-long.txt
+
+# training logs -> held-out τ̂ at equal steps (the ablation and depth tables)
+A=$R/smollm2-ablations
+hyflash training-report $A/hyflash $A/full $A/swa $A/noslot $A/mem512 $A/depth1 $A/depth3 $A/gdn --at-step 500 \
+    --out reports/smollm2-ablations
+hyflash training-report $A/hyflash $A/full $A/swa $A/noslot $A/depth1 --at-step 2000 --out reports/smollm2-ablations-2000
+G=$R/gemma3-training
+hyflash training-report $G/hyflash $G/full $G/swa $G/noslot $G/mem512 $G/gdn $G/depth1 $G/depth3 --at-step 600 \
+    --out reports/gemma3-training
+G=$R/gemma3-training-stage2
+hyflash training-report $G/hyflash $G/full $G/swa --at-step 600 --out reports/gemma3-training-stage2
+G=$R/gemma3-gpu-training
+hyflash training-report $G/stage1/hyflash $G/stage1/full $G/stage1/swa $G/stage1/noslot --at-step 248 \
+    --out reports/gemma3-gpu-training
+hyflash training-report $G/stage2/hyflash $G/stage2/full $G/stage2/swa $G/stage2/noslot --at-step 115 \
+    --out reports/gemma3-gpu-training-stage2
+echo "make_reports: every report rebuilt from reports/runs/"
