@@ -58,20 +58,25 @@ def test_native_forward_matches_the_torch_lean_forward():
     assert _close(runs[True][1], runs[False][1])
 
 
-@pytest.mark.parametrize("start", [19, 126])  # 126: the new tokens straddle a chunk of the C++ attention (64 keys)
-def test_native_forward_gives_each_token_the_bits_of_a_single_token_step(start):
-    target = bf16_llama(seed=1)
-    prompt = torch.randint(1, 63, (start,), generator=torch.Generator().manual_seed(1))
-    block = [3, 14, 15, 9, 26, 5]
-    cache = target.new_cache(160)
-    target.forward(prompt, cache)
+def _block_gets_single_step_bits(target, cache, start: int, block: list[int]) -> None:
+    """After ``start`` cached tokens: ``block`` in one forward gives the logits, features and cached keys of its
+    tokens run one at a time, bit for bit."""
     together = target.forward(torch.tensor(block), cache)
-    k_together = [k[0, :, start:start + 6].clone() for k in cache.k]
+    k_together = [k[0, :, start:start + len(block)].clone() for k in cache.k]
     target.rollback(cache, start)
     one_by_one = [target.forward(torch.tensor([t]), cache) for t in block]
     assert torch.equal(together.logits, torch.cat([o.logits for o in one_by_one]))
     assert torch.equal(together.features, torch.cat([o.features for o in one_by_one]))
-    assert all(torch.equal(a, k[0, :, start:start + 6]) for a, k in zip(k_together, cache.k))
+    assert all(torch.equal(a, k[0, :, start:start + len(block)]) for a, k in zip(k_together, cache.k))
+
+
+@pytest.mark.parametrize("start", [19, 126])  # 126: the new tokens straddle a chunk of the C++ attention (64 keys)
+def test_native_forward_gives_each_token_the_bits_of_a_single_token_step(start):
+    target = bf16_llama(seed=1)
+    prompt = torch.randint(1, 63, (start,), generator=torch.Generator().manual_seed(1))
+    cache = target.new_cache(160)
+    target.forward(prompt, cache)
+    _block_gets_single_step_bits(target, cache, start, [3, 14, 15, 9, 26, 5])
     # trees: each node's logits are its path's, run as a chain — also when slots are not in depth order (the
     # second tree's have depths 0, 1, 2, 1, 3) and when a node's slot and position fall in different chunks (the
     # third's node 2, at slot 128 and position 127)
@@ -255,20 +260,15 @@ def test_gemma3_cpp_attention_computes_the_torch_lean_forward():
 
 @pytest.mark.parametrize("start", [4, 19, 300, 600])
 def test_gemma3_forward_gives_each_token_the_bits_of_a_single_token_step(start):
-    """Gemma 3 runs the torch lean forward, its matmuls on our kernels and each new token attending alone: a block,
-    and each node of a tree, get the bits (logits, features, cached keys) of single-token steps along its path."""
+    """Gemma 3 runs the torch lean forward, its matmuls on our kernels and its attention in C++ (sliding windows
+    included): a block, and each node of a tree, get the bits (logits, features, cached keys) of single-token steps
+    along its path."""
     target = bf16_gemma3(seed=1)
     prompt = torch.randint(1, 63, (start,), generator=torch.Generator().manual_seed(1))
-    block = [3, 14, 15, 9, 26, 5, 35, 8]  # 8 tokens: the last ones' windows start inside the block
     cache = target.new_cache(start + 16)
     target.forward(prompt, cache)
-    together = target.forward(torch.tensor(block), cache)
-    k_together = [k[0, :, start:start + 8].clone() for k in cache.k]
-    target.rollback(cache, start)
-    one_by_one = [target.forward(torch.tensor([t]), cache) for t in block]
-    assert torch.equal(together.logits, torch.cat([o.logits for o in one_by_one]))
-    assert torch.equal(together.features, torch.cat([o.features for o in one_by_one]))
-    assert all(torch.equal(a, k[0, :, start:start + 8]) for a, k in zip(k_together, cache.k))
+    # 8 tokens: the last ones' windows start inside the block
+    _block_gets_single_step_bits(target, cache, start, [3, 14, 15, 9, 26, 5, 35, 8])
     # trees, also with slots out of depth order (the second's depths are 0, 1, 2, 1, 3) and a path of 7 nodes whose
     # deepest sees fewer than all of them in a sliding layer (the third)
     for parents, path in (([0, 0, 1, 1], [0, 1, 4]), ([0, 1, 0, 2], [0, 1, 2, 4]),
