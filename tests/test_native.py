@@ -258,12 +258,15 @@ def test_gemma3_cpp_attention_computes_the_torch_lean_forward():
         assert (a.logits.argmax(-1) == b.logits.argmax(-1)).float().mean() >= 0.8
 
 
+@pytest.mark.parametrize("cpp", [True, False])  # False: each token attends alone through SDPA (other geometries)
 @pytest.mark.parametrize("start", [4, 19, 300, 600])
-def test_gemma3_forward_gives_each_token_the_bits_of_a_single_token_step(start):
+def test_gemma3_forward_gives_each_token_the_bits_of_a_single_token_step(start, cpp):
     """Gemma 3 runs the torch lean forward, its matmuls on our kernels and its attention in C++ (sliding windows
     included): a block, and each node of a tree, get the bits (logits, features, cached keys) of single-token steps
     along its path."""
     target = bf16_gemma3(seed=1)
+    if not cpp:
+        target.lean.cpp_attention = None
     prompt = torch.randint(1, 63, (start,), generator=torch.Generator().manual_seed(1))
     cache = target.new_cache(start + 16)
     target.forward(prompt, cache)

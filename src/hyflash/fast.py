@@ -7,8 +7,8 @@ grouped-query attention by SDPA, SiLU-gated MLP — with a handful of tensor ope
 allocation of the cache: keys and values are written in place, and a rollback only moves the length. For Llama in
 bf16 on CPUs with our kernels, forwards of up to 16 tokens run as one C++ call instead (``LeanLlama.native``,
 csrc/lean_llama.cpp), batch-invariant so that verifying k tokens gives each the bits of a single-token step. Gemma 3
-gets the same property in torch (``LeanGemma3.bitwise``): its matmuls run on our batch-invariant kernels and each
-new token attends alone. Used by ``Target`` when loaded with ``fast=True``.
+gets the same property in its torch forward (``LeanGemma3.bitwise``): its matmuls run on our batch-invariant kernels
+and its attention on the C++ attention of csrc/lean_llama.cpp. Used by ``Target`` when loaded with ``fast=True``.
 """
 
 from __future__ import annotations
