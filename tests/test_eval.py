@@ -1,6 +1,7 @@
 """hyflash eval: suites on the tiny shipped fixtures, bucket bounds, the resumable runner, and the report generator
 (the report test is the only place with fake numbers, and its report says so)."""
 
+import hashlib
 import json
 import random
 import re
@@ -175,6 +176,21 @@ def test_runner_is_resumable_and_lossless(tiny_setup, tmp_path):
     assert "| toy | 16-32 | tiny | 0 | 2 |" in summary
     with pytest.raises(HyflashError):  # other settings into the same folder
         run_eval(items=items, **{**kw, "max_new_tokens": 5})
+
+
+def test_paced_drafter_in_an_eval(tiny_setup, tmp_path):
+    """paced:PATH is evaluated like any drafter: its checkpoint is recorded, and greedy output stays plain's."""
+    target, path, items = tiny_setup
+    out = tmp_path / "paced"
+    run_eval(target_spec="tiny", drafters=f"paced=paced:{path}", suites=["toy"], buckets=[], out_dir=out,
+             max_new_tokens=12, items=items[:2], target=target)
+    info = json.loads((out / "run.json").read_text())["drafter_info"]["paced"]
+    assert info["paced"] is True and info["spec"] == f"paced:{path}" and info["path"] == str(path)
+    assert info["weights_sha256"] == hashlib.sha256((path / "model.safetensors").read_bytes()).hexdigest()
+    rows = [json.loads(x) for x in (out / "raw.jsonl").read_text().splitlines()]
+    for item in items[:2]:
+        ids = {r["drafter"]: r["token_ids"] for r in rows if r["item"] == item.id}
+        assert ids["paced"] == ids["none"]
 
 
 def test_drafter_labels():

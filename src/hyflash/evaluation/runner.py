@@ -70,6 +70,8 @@ def drafter_info(spec: str, target) -> dict:
     from hyflash.drafter.config import DrafterConfig
     from hyflash.proposers import DEFAULT_WEIGHTS, resolve_tree, shipped_drafter_path, split_spec, split_weights
 
+    if spec.startswith("paced:"):  # the inner drafter's checkpoint, marked as paced against plain steps
+        return {**drafter_info(spec[len("paced:"):], target), "spec": spec, "paced": True}
     base, weights = split_weights(spec)  # "auto:bf16": the C++ drafting path on bf16 weights
     base, confidence, tree = split_spec(base)  # "auto@0.1": adaptive block length; "auto#12": a tree of 12
     path = shipped_drafter_path(target) if base.endswith("auto") else None
