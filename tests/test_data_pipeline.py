@@ -234,7 +234,7 @@ def test_features_and_labels_equal_a_direct_target_forward(target, sequences, fe
         assert torch.equal(item["topk_vals"], out.logits.topk(5, -1).values.half())
 
 
-def test_features_resume_and_bf16_store_round_trip(target, sequences, features, tmp_path, monkeypatch):
+def test_features_resume_and_bf16_store_round_trip(target, sequences, features, tmp_path, monkeypatch, capsys):
     before = {p.name: p.read_bytes() for p in features.iterdir()}
     (features / "index-00001.json").unlink()
     manifest = extract_features(sequences, features, target, shard_tokens=150, topk=5)
@@ -243,7 +243,11 @@ def test_features_resume_and_bf16_store_round_trip(target, sequences, features, 
         k: v for k, v in before.items() if k != "features.json"}
 
     bf16 = tiny_llama(vocab=VOCAB, hidden=32, layers=3, seed=1, dtype=torch.bfloat16)
+    import hyflash.kernels
+
+    monkeypatch.setattr(hyflash.kernels, "cpu_has_fast_bf16", lambda: False)  # as on an AVX2 CPU: it says so
     extract_features(sequences, tmp_path / "bf16", bf16, shard_tokens=150, topk=5, limit=3)
+    assert "--dtype fp32 is faster" in capsys.readouterr().err
     store = FeatureStore(tmp_path / "bf16")
     assert len(store) == 3
     stored = np.load(tmp_path / "bf16" / "feats-00000.npy", mmap_mode="r")

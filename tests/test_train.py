@@ -133,6 +133,38 @@ def test_recipe_fields_are_overridden_from_the_command_line():
         apply_overrides(cfg, ["batch_seqs"])
 
 
+@pytest.mark.parametrize("fast", [True, False], ids=["bf16-cpu", "avx2-cpu"])
+def test_bf16_auto_trains_in_fp32_on_a_cpu_without_bf16_dot_products(target, store, tmp_path, monkeypatch, capsys,
+                                                                     fast):
+    """bf16 autocast is many times slower than fp32 where the CPU has no bf16 dot products: "auto" (the recipes')
+    trains in fp32 there and says so, and each run's train_config.json records the precision it ran in."""
+    import hyflash.kernels
+    from hyflash.train import autocast_bf16
+
+    monkeypatch.setattr(hyflash.kernels, "cpu_has_fast_bf16", lambda: fast)
+    cpu = torch.device("cpu")
+    assert autocast_bf16("auto", cpu)[0] is fast
+    assert autocast_bf16("auto", torch.device("cuda"))[0] is True  # a GPU: bf16 whatever the CPU
+    assert autocast_bf16(False, cpu) == (False, None)
+    forced, warning = autocast_bf16(True, cpu)
+    assert forced is True and (warning is None) is fast  # true forces bf16, with a warning where it is slow
+    train(tiny_config(steps=2, ckpt_every=2, eval_every=2, bf16="auto"), tmp_path, target, store)
+    assert json.loads((tmp_path / "train_config.json").read_text())["bf16"] is fast
+    assert ("training in fp32" in capsys.readouterr().err) is not fast
+    assert load_recipe("gemma3-hyflash").bf16 == "auto"
+    with pytest.raises(HyflashError, match="bf16 must be"):
+        tiny_config(bf16="yes")
+
+
+def test_cpu_has_fast_bf16_reads_the_cpus_flags(monkeypatch):
+    import hyflash.kernels as k
+
+    for flags, fast in [({"avx2", "fma"}, False), ({"avx512f", "avx512_bf16"}, True), ({"amx_bf16"}, True)]:
+        monkeypatch.setattr(k, "cpu_is_aarch64_linux", lambda: False)
+        monkeypatch.setattr(k, "cpu_flags", lambda flags=flags: frozenset(flags))
+        assert k.cpu_has_fast_bf16() is fast
+
+
 def test_no_resume_refuses_a_directory_with_checkpoints(target, store, tmp_path):
     cfg = tiny_config(steps=2, ckpt_every=1)
     train(cfg, tmp_path, target, store)

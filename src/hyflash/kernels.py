@@ -61,6 +61,21 @@ def cpu_has_avx2() -> bool:
     return {"avx2", "fma"} <= cpu_flags()
 
 
+def cpu_has_fast_bf16() -> bool:
+    """Whether torch's bf16 matmuls run at least as fast as fp32 on this CPU: x86 with bf16 dot products (AVX-512 BF16
+    or AMX), or Arm Linux with the BF16 extension. Elsewhere torch converts every operand and a bf16 matmul is several
+    times slower than fp32 (on a 2-core AVX2 EPYC: a drafter's training step 111 s vs 7 s, Gemma 3 270M's forward 21
+    vs 110 tokens/s)."""
+    if cpu_is_aarch64_linux():
+        try:
+            text = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return False
+        return any(line.startswith("Features") and "bf16" in line.split(":", 1)[-1].split()
+                   for line in text.splitlines())
+    return "avx512_bf16" in cpu_flags() or "amx_bf16" in cpu_flags()
+
+
 def cpu_is_aarch64_linux() -> bool:
     """64-bit Arm Linux, where NEON (Advanced SIMD, with FMA) is part of the base architecture."""
     return platform.system() == "Linux" and platform.machine() in ("aarch64", "arm64")
