@@ -32,6 +32,35 @@ def test_packed_matmul_matches_plain_bf16_matmul(rows):
     assert (want.double() - exact).abs().max() < 0.02 * scale
 
 
+@pytest.mark.parametrize("fast_bf16", [True, False], ids=["bf16-dot-cpu", "avx2-cpu"])
+def test_rows_the_kernels_do_not_take_run_in_fp32_where_bf16_matmuls_are_slow(monkeypatch, fast_bf16):
+    """A prefill's rows (over 16) take torch's matmul. On a CPU without bf16 dot products that is an fp32 matmul of
+    the bf16 values (~3-5x faster there; benchmarks/bench_prefill.py), a large weight converted a block at a time."""
+    import hyflash.kernels
+    import hyflash.packed
+
+    monkeypatch.setattr(hyflash.kernels, "cpu_has_fast_bf16", lambda: fast_bf16)
+    monkeypatch.setattr(hyflash.kernels, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 64, generator=g).bfloat16()
+    x = torch.randn(2, 37, 64, generator=g).bfloat16()
+    lin = PackedLinear(w)
+    assert lin.upcast is not fast_bf16
+    fp32 = (x.float() @ w.float().t()).bfloat16()
+    got = lin(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (2, 37, 96)
+    if fast_bf16:
+        assert torch.equal(got, x @ w.t())
+        return
+    assert torch.equal(got, fp32)
+    monkeypatch.setattr(hyflash.packed, "UPCAST_CHUNK", 64 * 10)  # 10 outputs at a time: 10 blocks, the last short
+    blocked = lin(x)
+    exact = x.double() @ w.double().t()
+    assert (blocked.double() - exact).abs().max() < 0.01 * exact.abs().max()
+    assert (blocked.float() - fp32.float()).abs().max() <= 0.01 * fp32.float().abs().max()
+    assert torch.equal(lin(x[0, :5]), lin(x[0, :5]))  # rows our kernels take are not affected (or the plain matmul)
+
+
 def test_other_dtypes_fall_back_to_the_plain_matmul():
     w = torch.randn(5, 7, dtype=torch.float64)
     x = torch.randn(3, 7, dtype=torch.float64)
@@ -42,8 +71,9 @@ def test_other_dtypes_fall_back_to_the_plain_matmul():
 @needs_onednn
 def test_pack_linears_routes_modules_and_unpack_restores():
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(16, 32, bias=False), nn.Linear(32, 8, bias=True)).bfloat16()
-    x = torch.randn(4, 16).bfloat16()
+    # 32 inputs: what our kernels take (an AVX2 CPU's oneDNN packs no bf16 weight), as the skip condition checks
+    net = nn.Sequential(nn.Linear(32, 32, bias=False), nn.Linear(32, 8, bias=True)).bfloat16()
+    x = torch.randn(4, 32).bfloat16()
     before = net(x)
     assert pack_linears(net) == 1  # the bias-free one
     assert "forward" in net[0].__dict__ and "forward" not in net[1].__dict__

@@ -13,6 +13,7 @@ from torch import nn
 from hyflash import kernels
 
 AMX_MAX_ROWS = 16
+UPCAST_CHUNK = 1 << 22  # weight elements converted to fp32 at once (16 MB) by PackedLinear's fp32 fallback
 
 
 class PackedLinear:
@@ -27,6 +28,12 @@ class PackedLinear:
     def __init__(self, w: torch.Tensor, pack: bool = True):
         self.w, self.packed, self.amx = w.detach(), None, None
         self.out_features, self.in_features = w.shape
+        # Rows our kernels do not take (a prefill's) on a CPU without bf16 dot products, where torch's bf16 matmul
+        # converts every operand and runs ~5x slower than fp32: there they are an fp32 matmul of the bf16 values
+        # (exact products, fp32 sums, one rounding: a bf16 matmul's values up to summation order), the weight
+        # converted per call rather than kept twice
+        self.upcast = (w.dtype == torch.bfloat16 and w.device.type == "cpu" and not kernels.cpu_has_fast_bf16()
+                       and (bool(kernels.cpu_flags()) or kernels.cpu_is_aarch64_linux()))
         if not (pack and w.dtype == torch.bfloat16 and w.device.type == "cpu"):
             return
         module = kernels.amx() if self.in_features % 32 == 0 else None
@@ -53,6 +60,20 @@ class PackedLinear:
         """Which matmul serves 1-16 rows: our kernels' build (``kernels.BUILDS``: "amx", "avx512-bf16", "avx2" or "neon"), "onednn" or "plain"."""
         return kernels.isa() if self.amx is not None else "onednn" if self.packed is not None else "plain"
 
+    def _plain(self, x: torch.Tensor) -> torch.Tensor:
+        """The matmul for the rows the kernels do not take: torch's, or where its bf16 is slow, an fp32 one."""
+        if not (self.upcast and x.dtype == torch.bfloat16):
+            return x @ self.w.t()
+        xf = x.float()
+        if self.w.numel() <= UPCAST_CHUNK:
+            return (xf @ self.w.float().t()).to(torch.bfloat16)
+        # a large weight (an LM head: 671 MB in fp32 for Gemma 3) is converted a block of outputs at a time
+        y = torch.empty(*x.shape[:-1], self.out_features, dtype=torch.bfloat16)
+        step = max(1, UPCAST_CHUNK // self.in_features)
+        for j in range(0, self.out_features, step):
+            y[..., j:j + step] = xf @ self.w[j:j + step].float().t()
+        return y
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.bfloat16 or x.device.type != "cpu":
             return x @ self.w.t()
@@ -60,14 +81,14 @@ class PackedLinear:
             if x.dim() == 2:  # the common case, kept short: this runs ~150 times per decoding step
                 if 0 < x.shape[0] <= AMX_MAX_ROWS:
                     return self._amx_linear(x.contiguous(), self.amx)
-                return x @ self.w.t()
+                return self._plain(x)
             x2 = x.reshape(-1, x.shape[-1])
             if not 0 < x2.shape[0] <= AMX_MAX_ROWS:
-                return x @ self.w.t()
+                return self._plain(x)
             return self._amx_linear(x2.contiguous(), self.amx).view(*x.shape[:-1], self.out_features)
         x2 = x.reshape(-1, x.shape[-1])
         if self.packed is None:
-            return x @ self.w.t()
+            return self._plain(x)
         y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, None, "none", [], "")
         return y.view(*x.shape[:-1], self.out_features)
 
