@@ -245,9 +245,8 @@ def test_features_resume_and_bf16_store_round_trip(target, sequences, features, 
     bf16 = tiny_llama(vocab=VOCAB, hidden=32, layers=3, seed=1, dtype=torch.bfloat16)
     import hyflash.kernels
 
-    monkeypatch.setattr(hyflash.kernels, "cpu_has_fast_bf16", lambda: False)  # as on an AVX2 CPU: it says so
+    monkeypatch.setattr(hyflash.kernels, "cpu_has_fast_bf16", lambda: True)  # torch's bf16 matmuls, as they are
     extract_features(sequences, tmp_path / "bf16", bf16, shard_tokens=150, topk=5, limit=3)
-    assert "--dtype fp32 is faster" in capsys.readouterr().err
     store = FeatureStore(tmp_path / "bf16")
     assert len(store) == 3
     stored = np.load(tmp_path / "bf16" / "feats-00000.npy", mmap_mode="r")
@@ -256,6 +255,24 @@ def test_features_resume_and_bf16_store_round_trip(target, sequences, features, 
         out = bf16.forward(torch.tensor(s["ids"]), bf16.new_cache(), features=True)
         assert store[i]["features"].dtype == torch.bfloat16 and torch.equal(store[i]["features"], out.features)
         assert torch.equal(store[i]["labels"], out.logits.argmax(-1))
+
+    # a CPU without bf16 dot products: the model's matmuls go through PackedLinear (fp32 sums of the bf16 values)
+    from hyflash.packed import PackedLinear, pack_linears, unpack_linears
+
+    monkeypatch.setattr(hyflash.kernels, "cpu_has_fast_bf16", lambda: False)
+    if PackedLinear(torch.zeros(16, 32, dtype=torch.bfloat16)).is_packed:  # our kernels or oneDNN can take it
+        extract_features(sequences, tmp_path / "slow", bf16, shard_tokens=150, topk=5, limit=3)
+        assert "fp32 sums of the bf16 values" in capsys.readouterr().err
+        assert "forward" not in bf16.model.model.layers[0].mlp.down_proj.__dict__  # the model is left as it was
+        slow = FeatureStore(tmp_path / "slow")
+        assert pack_linears(bf16.model) > 0  # the same matmuls, by hand
+        for i, s in enumerate(read(sequences)[:3]):
+            out = bf16.forward(torch.tensor(s["ids"]), bf16.new_cache(), features=True)
+            assert torch.equal(slow[i]["features"], out.features)
+            assert torch.equal(slow[i]["labels"], out.logits.argmax(-1))
+            scale = store[i]["features"].float().abs().max()  # and torch's bf16 matmul's values up to rounding
+            assert (slow[i]["features"].float() - store[i]["features"].float()).abs().max() < 0.05 * scale
+        unpack_linears(bf16.model)
 
     monkeypatch.setattr(F.shutil, "disk_usage", lambda p: type("U", (), {"free": 1000})())
     with pytest.raises(HyflashError, match="not enough disk"):

@@ -36,6 +36,7 @@ from hyflash import HyflashError
 from hyflash.data.regenerate import load_target
 from hyflash.data.sources import sha256_file
 from hyflash.data.split import load_json, write_json
+from hyflash.packed import pack_linears, unpack_linears
 from hyflash.target import Target
 
 FORMAT_VERSION = 1
@@ -84,6 +85,22 @@ def as_stored(features: torch.Tensor) -> np.ndarray:
     return features.numpy()
 
 
+def pack_where_bf16_is_slow(tgt: Target) -> bool:
+    """On a CPU without bf16 dot products torch's bf16 matmul converts every operand (Gemma 3 270M on a 2-core AVX2
+    EPYC: 15-21 tokens/s, against 100-110 in fp32). There a bf16 target's matmuls are routed through
+    ``PackedLinear``, which multiplies such rows as fp32 sums of the bf16 values, rounded once: features and labels
+    still come from one bf16 pass. Returns whether it did (``unpack_linears`` undoes it)."""
+    from hyflash.kernels import cpu_has_fast_bf16
+
+    if tgt.dtype != torch.bfloat16 or tgt.device.type != "cpu" or cpu_has_fast_bf16():
+        return False
+    if not pack_linears(tgt.model):
+        return False
+    print("features: this CPU has no bf16 dot-product instructions: the bf16 matmuls run as fp32 sums of the bf16 "
+          "values (torch's own bf16 matmul is ~5x slower here)", file=sys.stderr)
+    return True
+
+
 def extract_features(sequences_path, out_dir, target: str | Target = "smollm2-135m", dtype: str = "bf16",
                      shard_tokens: int = 262144, topk: int = 32, limit: int | None = None) -> dict:
     """Run the target over every sequence of `sequences_path` and store features, labels and top-k logits.
@@ -130,58 +147,55 @@ def extract_features(sequences_path, out_dir, target: str | Target = "smollm2-13
     print(f"features: {len(sequences):,} sequences, {total:,} tokens x {per_token:,} B/token = "
           f"{total * per_token / 1e9:.2f} GB; {len(todo)} of {len(plan)} shards to write "
           f"({need / 1e9:.2f} GB, {free / 1e9:.1f} GB free)", file=sys.stderr)
-    if tgt.dtype == torch.bfloat16 and tgt.device.type == "cpu" and to_write:
-        from hyflash.kernels import cpu_has_fast_bf16
-
-        if not cpu_has_fast_bf16():  # the whole-sequence forward is torch's, whose bf16 is slow without dot products
-            print("features: this CPU has no bf16 dot-product instructions, where torch's bf16 forward runs ~5x "
-                  "slower than fp32 (Gemma 3 270M on a 2-core AVX2 EPYC: 21 vs 110 tokens/s). --dtype fp32 is "
-                  "faster: its features and labels are the fp32 target's, which may differ from the bf16 target's "
-                  "near ties", file=sys.stderr)
     if free < need * 1.1:
         raise HyflashError(f"not enough disk for the features: need {need / 1e9:.2f} GB + 10%, "
                            f"{free / 1e9:.2f} GB free in {out}")
 
     stored = STORED[tgt.dtype]
     done_tokens, seconds = 0, 0.0
+    packed = to_write and pack_where_bf16_is_slow(tgt)
     bar = tqdm(total=to_write, unit="tok", desc="features", dynamic_ncols=True)
-    for k, members, n_tokens in todo:
-        tmp = {a: shard_path(out, a, k).with_suffix(".npy.tmp") for a in ARRAYS}
-        arrays = {
-            "feats": np.lib.format.open_memmap(tmp["feats"], "w+", stored, (n_tokens, feature_dim)),
-            "labels": np.lib.format.open_memmap(tmp["labels"], "w+", np.int32, (n_tokens,)),
-            "topk_vals": np.lib.format.open_memmap(tmp["topk_vals"], "w+", np.float16, (n_tokens, topk)),
-            "topk_ids": np.lib.format.open_memmap(tmp["topk_ids"], "w+", np.int32, (n_tokens, topk))}
-        entries, offset = [], 0
-        start = time.perf_counter()
-        for i in members:
-            s = sequences[i]
-            n = len(s["ids"])
-            feats, labels, vals, top = sequence_outputs(tgt, s["ids"], topk)
-            arrays["feats"][offset:offset + n] = as_stored(feats)
-            arrays["labels"][offset:offset + n] = labels.numpy()
-            arrays["topk_vals"][offset:offset + n] = vals.numpy()
-            arrays["topk_ids"][offset:offset + n] = top.numpy()
-            entries.append({"id": s["id"], "kind": s.get("kind"), "offset": offset, "length": n, "ids": s["ids"],
-                            "spans": s["spans"]})
-            offset += n
-            bar.update(n)
-            bar.set_postfix(tok_s=f"{(done_tokens + offset) / (seconds + time.perf_counter() - start):.0f}")
-        for a in ARRAYS:
-            arrays[a].flush()
-        del arrays
-        for a in ARRAYS:
-            os.replace(tmp[a], shard_path(out, a, k))
-        shard_seconds = time.perf_counter() - start
-        write_json(shard_path(out, "index", k), {"shard": k, "n_tokens": n_tokens, "feature_dim": feature_dim,
-                                                 "feature_dtype": config["dtype"], "topk": topk,
-                                                 "sequences": entries})
-        seconds += shard_seconds
-        done_tokens += n_tokens
-        manifest["shards"][f"{k:05d}"] = {"sequences": len(members), "tokens": n_tokens,
-                                          "seconds": round(shard_seconds, 2)}
-        write_json(manifest_path, manifest)
-    bar.close()
+    try:
+        for k, members, n_tokens in todo:
+            tmp = {a: shard_path(out, a, k).with_suffix(".npy.tmp") for a in ARRAYS}
+            arrays = {
+                "feats": np.lib.format.open_memmap(tmp["feats"], "w+", stored, (n_tokens, feature_dim)),
+                "labels": np.lib.format.open_memmap(tmp["labels"], "w+", np.int32, (n_tokens,)),
+                "topk_vals": np.lib.format.open_memmap(tmp["topk_vals"], "w+", np.float16, (n_tokens, topk)),
+                "topk_ids": np.lib.format.open_memmap(tmp["topk_ids"], "w+", np.int32, (n_tokens, topk))}
+            entries, offset = [], 0
+            start = time.perf_counter()
+            for i in members:
+                s = sequences[i]
+                n = len(s["ids"])
+                feats, labels, vals, top = sequence_outputs(tgt, s["ids"], topk)
+                arrays["feats"][offset:offset + n] = as_stored(feats)
+                arrays["labels"][offset:offset + n] = labels.numpy()
+                arrays["topk_vals"][offset:offset + n] = vals.numpy()
+                arrays["topk_ids"][offset:offset + n] = top.numpy()
+                entries.append({"id": s["id"], "kind": s.get("kind"), "offset": offset, "length": n, "ids": s["ids"],
+                                "spans": s["spans"]})
+                offset += n
+                bar.update(n)
+                bar.set_postfix(tok_s=f"{(done_tokens + offset) / (seconds + time.perf_counter() - start):.0f}")
+            for a in ARRAYS:
+                arrays[a].flush()
+            del arrays
+            for a in ARRAYS:
+                os.replace(tmp[a], shard_path(out, a, k))
+            shard_seconds = time.perf_counter() - start
+            write_json(shard_path(out, "index", k), {"shard": k, "n_tokens": n_tokens, "feature_dim": feature_dim,
+                                                     "feature_dtype": config["dtype"], "topk": topk,
+                                                     "sequences": entries})
+            seconds += shard_seconds
+            done_tokens += n_tokens
+            manifest["shards"][f"{k:05d}"] = {"sequences": len(members), "tokens": n_tokens,
+                                              "seconds": round(shard_seconds, 2)}
+            write_json(manifest_path, manifest)
+        bar.close()
+    finally:
+        if packed:
+            unpack_linears(tgt.model)
     if todo:
         print(f"features: {done_tokens:,} tokens in {seconds:.1f} s = {done_tokens / max(seconds, 1e-9):.1f} "
               f"tokens/s; {done_tokens * per_token / 1e9:.2f} GB written", file=sys.stderr)
