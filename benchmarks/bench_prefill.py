@@ -16,17 +16,9 @@ import torch
 
 from common import machine_line, median
 from hyflash.decoding import prefill
-from hyflash.packed import PackedLinear
 from hyflash.target import Target
 
 WAYS = {"torch bf16 matmul": False, "fp32 matmul of bf16": True}
-
-
-def packed_linears(lean) -> list[PackedLinear]:
-    found = [lean.head]
-    for layer in lean.layers:
-        found += [v for v in (layer.values() if isinstance(layer, dict) else layer) if isinstance(v, PackedLinear)]
-    return found
 
 
 def main():
@@ -40,7 +32,7 @@ def main():
     target = Target.load(args.target, dtype="bf16", fast=True)
     if target.lean is None:
         raise SystemExit(f"{args.target} has no fast path here: nothing to compare")
-    linears = packed_linears(target.lean)
+    linears = target.lean.linears
     print(machine_line())
     print(f"# {target.name} bf16 prefill (features on, as for a drafter), {len(linears)} matmuls switched, median of "
           f"{args.repeats}, both ways interleaved; the engine picks the fp32 way on this CPU: {linears[0].upcast}")

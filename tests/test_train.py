@@ -163,6 +163,10 @@ def test_cpu_has_fast_bf16_reads_the_cpus_flags(monkeypatch):
         monkeypatch.setattr(k, "cpu_is_aarch64_linux", lambda: False)
         monkeypatch.setattr(k, "cpu_flags", lambda flags=flags: frozenset(flags))
         assert k.cpu_has_fast_bf16() is fast
+    monkeypatch.setattr(k, "cpu_is_aarch64_linux", lambda: True)  # Arm: the BF16 extension in its "Features"
+    for features, fast in [({"fp", "asimd"}, False), ({"fp", "asimd", "bf16"}, True)]:
+        monkeypatch.setattr(k, "arm_features", lambda features=features: frozenset(features))
+        assert k.cpu_has_fast_bf16() is fast
 
 
 def test_no_resume_refuses_a_directory_with_checkpoints(target, store, tmp_path):

@@ -126,7 +126,8 @@ class LeanLlama:
         # The whole forward of up to 16 new tokens in one C++ call (csrc/lean_llama.cpp) when every matmul runs on
         # our AMX kernel: the same computation and bf16 roundings as below, without ~1,500 small torch operations.
         self.native = None
-        linears = [lin for layer in self.layers for lin in (layer[1], layer[2], layer[4], layer[5])] + [self.head]
+        self.linears = linears = [lin for layer in self.layers for lin in (layer[1], layer[2], layer[4], layer[5])] \
+            + [self.head]  # every PackedLinear of the forward
         gather_on_huge_pages(linears)
         if all(lin.amx is not None for lin in linears) and self.hd % 32 == 0 and self.H // self.Hkv <= 8 \
                 and self.inter % 16 == 0 and self.embed.shape[1] % 16 == 0 and self.head.out_features % 16 == 0:
@@ -282,7 +283,8 @@ class LeanGemma3:
                     gate_up=PackedLinear(torch.cat([m.gate_proj.weight, m.up_proj.weight]), pack),
                     down=PackedLinear(m.down_proj.weight, pack)))
         self.inter = self.layers[0]["gate_up"].out_features // 2
-        linears = [L[name] for L in self.layers for name in ("qkv", "o", "gate_up", "down")] + [self.head]
+        self.linears = linears = [L[name] for L in self.layers for name in ("qkv", "o", "gate_up", "down")] \
+            + [self.head]  # every PackedLinear of the forward
         gather_on_huge_pages(linears)
         self.bitwise = all(lin.amx is not None for lin in linears)
         # the C++ attention where it takes this geometry (its checks: lean_llama.cpp llama_attention)

@@ -62,7 +62,7 @@ class PackedLinear:
 
     def _plain(self, x: torch.Tensor) -> torch.Tensor:
         """The matmul for the rows the kernels do not take: torch's, or where its bf16 is slow, an fp32 one."""
-        if not (self.upcast and x.dtype == torch.bfloat16):
+        if not self.upcast:  # (x is bf16 here: __call__ sends other dtypes to the plain matmul first)
             return x @ self.w.t()
         xf = x.float()
         if self.w.numel() <= UPCAST_CHUNK:
