@@ -87,7 +87,7 @@ def as_stored(features: torch.Tensor) -> np.ndarray:
 
 def pack_where_bf16_is_slow(tgt: Target) -> bool:
     """On a CPU without bf16 dot products torch's bf16 matmul converts every operand (Gemma 3 270M on a 2-core AVX2
-    EPYC: 15-21 tokens/s, against 100-110 in fp32). There a bf16 target's matmuls are routed through
+    EPYC: 14.8 tokens/s, against 102.7 in fp32). There a bf16 target's matmuls are routed through
     ``PackedLinear``, which multiplies such rows as fp32 sums of the bf16 values, rounded once: features and labels
     still come from one bf16 pass. Returns whether it did (``unpack_linears`` undoes it)."""
     from hyflash.kernels import cpu_has_fast_bf16
