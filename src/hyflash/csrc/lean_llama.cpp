@@ -63,6 +63,13 @@ void rope(bf16* x, const bf16* cos, const bf16* sin, int64_t hd) {
 // row's window are not computed at all. A row alone runs from its own first chunk, in a block from the block's
 // first: the chunks in between are ones it sees nothing of, which the merge skips, so its bits are the same.
 constexpr int64_t kChunk = 64;
+// p·v takes 4 query rows by this many dimensions at a time: 16 accumulators of AVX-512's 32 registers; on AVX2, whose
+// 16-lane vector is two of its 16 registers, 64 would spill every accumulator to the stack, so 16 there
+#if defined(__AVX2__) && !defined(__AVX512F__)
+constexpr int64_t kPvDims = 16;
+#else
+constexpr int64_t kPvDims = 64;
+#endif
 
 class Attention {
  public:
@@ -141,9 +148,63 @@ class Attention {
         }
   }
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  // scores() on AVX2. One key's sum is a chain of dependent FMAs (two per pair), so computing one key at a time
+  // waits on FMA latency; here 4 keys (16 query rows: 8 accumulators) or, when the block has at most 8 real query
+  // rows (a single token's heads, a short verify), 8 keys on the low half only run side by side. The 16 keys are
+  // widened to fp32 once and each pair of queries once for all of them. Every (key, row) sum takes the same
+  // operations in the same order as vdot_pair, so the bits are those of the one-key loop (and of the other builds'
+  // scheme).
+  static void scores_avx2(const uint32_t* a32, const bf16* qt, int64_t halves, float* score, int64_t rows) {
+    const int64_t ks = halves * 16;  // pairs per key
+    const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+    alignas(32) float kw[16 * 256];  // the 16 keys widened to fp32 once (exact), each element then broadcast
+    const auto* a = reinterpret_cast<const bf16*>(a32);
+    for (int64_t e = 0; e < 16 * 2 * ks; e += 8) _mm256_store_ps(kw + e, widen8(a + e));
+    if (rows <= 8) {
+      for (int u0 = 0; u0 < 16; u0 += 8) {
+        __m256 acc[8];
+        for (auto& x : acc) x = _mm256_setzero_ps();
+        for (int64_t h = 0; h < halves; ++h) {
+          const auto* q32 = reinterpret_cast<const uint32_t*>(qt + h * 512);
+          for (int64_t p = 0; p < 16; ++p) {
+            const __m256i qp = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q32 + p * 16));
+            const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(qp, 16));
+            const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(qp, high));
+            const float* kp = kw + u0 * 2 * ks + 2 * (16 * h + p);
+            for (int u = 0; u < 8; ++u)  // the odd product first, as vdot_pair
+              acc[u] = _mm256_fmadd_ps(_mm256_broadcast_ss(kp + u * 2 * ks), even,
+                                       _mm256_fmadd_ps(_mm256_broadcast_ss(kp + u * 2 * ks + 1), odd, acc[u]));
+          }
+        }
+        for (int u = 0; u < 8; ++u) {
+          _mm256_storeu_ps(score + (u0 + u) * 16, acc[u]);
+          _mm256_storeu_ps(score + (u0 + u) * 16 + 8, _mm256_setzero_ps());
+        }
+      }
+      return;
+    }
+    for (int u0 = 0; u0 < 16; u0 += 4) {
+      vf acc[4];
+      for (auto& x : acc) x = vzero();
+      for (int64_t h = 0; h < halves; ++h) {
+        const auto* q32 = reinterpret_cast<const uint32_t*>(qt + h * 512);
+        for (int64_t p = 0; p < 16; ++p) {
+          const vpairs qrow = vload_pairs(q32 + p * 16);
+          const float* kp = kw + u0 * 2 * ks + 2 * (16 * h + p);
+          for (int u = 0; u < 4; ++u) acc[u] = vdot(acc[u], kp + u * 2 * ks, qrow);
+        }
+      }
+      for (int u = 0; u < 4; ++u) vstore(score + (u0 + u) * 16, acc[u]);
+    }
+  }
+#endif
+
   // score[u * 16 + c] = key u's dot product with query row c, for 16 keys (a, stride hd) and a row block's query
   // tiles (qt: `halves` tiles of 32 dimensions), each sum in order of dimension pairs
-  void scores(const bf16* a, const bf16* qt, int64_t halves, float* score) const {
+  // (rows: how many of the block's 16 query rows are real; the AVX2 build leaves lanes 8-15 zero when it is 8 or fewer)
+  void scores(const bf16* a, const bf16* qt, int64_t halves, float* score, int64_t rows) const {
+    (void)rows;
 #ifdef __AMX_TILE__
     _tile_zero(0);
     for (int64_t h = 0; h < halves; ++h) {
@@ -165,7 +226,9 @@ class Attention {
       }
     }
     for (int u = 0; u < 16; ++u) vstore(score + u * 16, acc[u]);
-#else  // AVX2 and NEON: the same sums in the same order, one key at a time (16 accumulators would not fit its registers)
+#elif defined(__AVX2__)  // the same sums in the same order, the FMA chains of several keys interleaved (below)
+    scores_avx2(reinterpret_cast<const uint32_t*>(a), qt, halves, score, rows);
+#else  // NEON: the same sums in the same order, one key at a time (16 accumulators would not fit its registers)
     const auto* a32 = reinterpret_cast<const uint32_t*>(a);
     const int64_t ks = hd_ / 2;
     for (int u = 0; u < 16; ++u) {
@@ -205,7 +268,7 @@ class Attention {
             std::memcpy(gathered + u * hd_, kb + keys[16 * b + u] * hd_, sizeof(bf16) * hd_);
           a = gathered;
         }
-        scores(a, qt_.data() + (kv * RB_ + rb) * halves * 512, halves, score + 16 * b * 16);
+        scores(a, qt_.data() + (kv * RB_ + rb) * halves * 512, halves, score + 16 * b * 16, R_ - rb * 16);
       }
       // which rows see each cached key: all valid rows, but in a sliding window only those whose window holds it
       uint16_t cached_sees[kChunk];
@@ -236,9 +299,9 @@ class Attention {
       vstore(&part_s_[slot], total);
       // p·v, four query rows at a time (16 accumulators for hd 64; up to 4 x 16 for hd 256 in chunks of 64)
       for (int64_t r0 = 0; r0 < 16 && rb * 16 + r0 < R_; r0 += 4)
-        for (int64_t e0 = 0; e0 < hd_; e0 += 64) {
-          const int ne = static_cast<int>(std::min<int64_t>(4, (hd_ - e0) / 16));  // 4, or 2 for the last 32
-          vf o[4][4];
+        for (int64_t e0 = 0; e0 < hd_; e0 += kPvDims) {
+          const int ne = static_cast<int>(std::min<int64_t>(kPvDims / 16, (hd_ - e0) / 16));  // 4, or 2 for the last 32
+          vf o[4][kPvDims / 16];
           for (auto& orow : o) for (auto& x : orow) x = vzero();
           for (int64_t k = 0; k < count; ++k) {
             const bf16* v = vb + keys[k] * hd_ + e0;
