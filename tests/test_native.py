@@ -95,14 +95,17 @@ def test_native_forward_gives_each_token_the_bits_of_a_single_token_step(start):
 @pytest.mark.parametrize("window", [0, 3, 75])  # 0: none (Llama); 3: shorter than a path; 75: at start 200 the
 # rows' windows begin on both sides of a chunk edge (positions 126-131)
 @pytest.mark.parametrize("start", [5, 126, 200])
-def test_native_attention_gives_a_token_the_same_fp32_bits_alone_in_a_chain_and_in_a_tree(start, window):
+@pytest.mark.parametrize("geometry", [(9, 3, 64), (4, 1, 256)])
+def test_native_attention_gives_a_token_the_same_fp32_bits_alone_in_a_chain_and_in_a_tree(start, window, geometry):
     """The C++ attention before its bf16 rounding (where a different summation would show): SmolLM2's geometry
-    (9 query heads over 3 kv heads of 64), keys chunked by position, trees whose slots and positions fall in
-    different chunks; also in a sliding window (Gemma 3's local layers: a token at position p sees p - window + 1
-    .. p), where a row alone skips chunks a block computes."""
+    (9 query heads over 3 kv heads of 64) and Gemma 3's (4 over 1 of 256), keys chunked by position, trees whose slots
+    and positions fall in different chunks; also in a sliding window (Gemma 3's local layers: a token at position p
+    sees p - window + 1 .. p), where a row alone skips chunks a block computes. A token alone fills at most 4 of a
+    block's 16 query rows, a chain of 6 more than 16, which the AVX2 build computes in different loops (8 keys on
+    half the rows, or 4 keys on all 16): each must give the other's bits."""
     amx = kernels.amx()
     g = torch.Generator().manual_seed(start)
-    H, Hkv, hd, cap = 9, 3, 64, 240
+    (H, Hkv, hd), cap = geometry, 240
     k = torch.randn(Hkv, cap, hd, generator=g).to(torch.bfloat16)
     v = torch.randn(Hkv, cap, hd, generator=g).to(torch.bfloat16)
     nodes_q = torch.randn(6, H * hd, generator=g).mul(2).to(torch.bfloat16)
