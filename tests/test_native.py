@@ -236,6 +236,30 @@ def bf16_gemma3(seed=0, window=6):
     return target
 
 
+def test_gemma_norm_is_the_torch_formula_row_by_row():
+    """Gemma 3's RMSNorm in C++ (what LeanGemma3 calls where our kernels load): within a bf16 rounding of the torch
+    formula it replaces, a row's bits the same alone and among others, and a strided view (q/k heads of a qkv row)
+    normalised as its copy is."""
+    amx = kernels.amx()
+    g = torch.Generator().manual_seed(0)
+    for d in (16, 256, 640):
+        x = torch.randn(37, d, generator=g).mul(3).to(torch.bfloat16)
+        w1 = 1.0 + torch.randn(d, generator=g).mul(0.1)
+        got = amx.gemma_norm(x, w1, 1e-6)
+        xf = x.float()
+        want = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * w1
+        assert got.dtype == torch.bfloat16 and got.shape == x.shape
+        assert ((got.float() - want).abs() <= want.abs() * 2 ** -7 + 1e-6).all()  # one bf16 rounding (and a bit)
+        for i in (0, 5, 36):
+            assert torch.equal(amx.gemma_norm(x[i:i + 1], w1, 1e-6), got[i:i + 1])
+    qkv = torch.randn(3, 6 * 64, generator=g).to(torch.bfloat16)  # 4 query heads, 1 key, 1 value head of 64
+    w1 = 1.0 + torch.randn(64, generator=g).mul(0.1)
+    heads = qkv[:, : 4 * 64].view(3, 4, 64)
+    assert torch.equal(amx.gemma_norm(heads, w1, 1e-6), amx.gemma_norm(heads.contiguous(), w1, 1e-6))
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        amx.gemma_norm(torch.zeros(2, 24, dtype=torch.bfloat16), torch.ones(24), 1e-6)
+
+
 # 4: inside the 6-token window; 19: sliding layers drop keys; 300 and 600: long enough for SDPA over several queries
 # at once to round differently from one query at a time (600 fails when the block attends all at once; at the
 # shorter starts the two happen to round alike)

@@ -262,7 +262,7 @@ class LeanGemma3:
         inner = model.model
         self.embed = inner.embed_tokens.weight
         self.embed_scale = inner.embed_tokens.embed_scale
-        self.final_norm = inner.norm.weight
+        self.final_norm = self._scale(inner.norm.weight)
         self.head = PackedLinear(model.lm_head.weight, pack)
         rot = inner.rotary_emb
         self.rope = {t: (getattr(rot, f"{t}_inv_freq").float(), float(getattr(rot, f"{t}_attention_scaling")))
@@ -274,10 +274,11 @@ class LeanGemma3:
                 a, m = layer.self_attn, layer.mlp
                 self.layers.append(dict(
                     sliding=kind == "sliding_attention", rope=kind,
-                    norm_in=layer.input_layernorm.weight, norm_attn=layer.post_attention_layernorm.weight,
-                    norm_pre_ff=layer.pre_feedforward_layernorm.weight,
-                    norm_post_ff=layer.post_feedforward_layernorm.weight,
-                    q_norm=a.q_norm.weight, k_norm=a.k_norm.weight,
+                    norm_in=self._scale(layer.input_layernorm.weight),
+                    norm_attn=self._scale(layer.post_attention_layernorm.weight),
+                    norm_pre_ff=self._scale(layer.pre_feedforward_layernorm.weight),
+                    norm_post_ff=self._scale(layer.post_feedforward_layernorm.weight),
+                    q_norm=self._scale(a.q_norm.weight), k_norm=self._scale(a.k_norm.weight),
                     qkv=PackedLinear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), pack),
                     o=PackedLinear(a.o_proj.weight, pack),
                     gate_up=PackedLinear(torch.cat([m.gate_proj.weight, m.up_proj.weight]), pack),
@@ -290,12 +291,23 @@ class LeanGemma3:
         # the C++ attention where it takes this geometry (its checks: lean_llama.cpp llama_attention)
         self.cpp_attention = kernels.amx() if self.bitwise and self.hd % 32 == 0 and self.hd <= 256 \
             and self.H % self.Hkv == 0 and self.H // self.Hkv <= 8 else None
+        # the norms in one C++ call each where our kernels are loaded (a decoding step makes 109 of them)
+        self.cpp_norm = kernels.amx() if self.embed.dtype == torch.bfloat16 and all(
+            w.shape[-1] % 16 == 0 for w in [self.final_norm] + [L["q_norm"] for L in self.layers]) else None
 
     new_cache = LeanLlama.new_cache  # the same static cache (same attribute names)
 
-    def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _scale(w: torch.Tensor) -> torch.Tensor:
+        """A norm's multiplier 1 + w in fp32, computed once."""
+        return (1.0 + w.detach().float()).contiguous()
+
+    def _norm(self, x: torch.Tensor, w1: torch.Tensor) -> torch.Tensor:
+        """RMSNorm x · w1 (w1 = 1 + the norm's weight, fp32) with fp32 statistics, rounded to x's dtype once."""
+        if self.cpp_norm is not None and x.dtype == torch.bfloat16:
+            return self.cpp_norm.gemma_norm(x, w1, self.eps)
         xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + w.float())).to(x.dtype)
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * w1).to(x.dtype)
 
     def _rope(self, kind: str, positions: torch.Tensor, dtype):
         inv_freq, scaling = self.rope[kind]

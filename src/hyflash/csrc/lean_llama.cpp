@@ -455,6 +455,34 @@ std::vector<torch::Tensor> llama_forward(
   return std::vector<torch::Tensor>{logits, features, top};
 }
 
+// Gemma 3's RMSNorm, x · (1 + w) with fp32 statistics (LeanGemma3._norm in one call instead of eight torch
+// operations, which cost more than the arithmetic for a decoding step's few rows): each row of d elements (the last
+// dimension of x, any leading shape and row stride) gets its mean square summed in 16 lanes, then those lanes
+// summed in a fixed tree, x · r and then · w1 in fp32 (w1 = 1 + w, fp32), one rounding to bf16. Row by row, so a
+// row's bits do not depend on the rows normalised with it. d a multiple of 16.
+torch::Tensor gemma_norm(torch::Tensor x, torch::Tensor w1, double eps_d) {
+  const int64_t d = x.size(-1);
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && w1.scalar_type() == torch::kFloat32 && w1.is_contiguous()
+              && w1.numel() == d && d % 16 == 0, "gemma_norm: x bf16 [..., d], w1 fp32 [d], d a multiple of 16");
+  auto xc = x.reshape({-1, d}).contiguous();
+  const int64_t n = xc.size(0);
+  auto out = torch::empty_like(xc);
+  const bf16* xp = xc.data_ptr<bf16>();
+  const float* wp = w1.data_ptr<float>();
+  bf16* op = out.data_ptr<bf16>();
+  const float eps = static_cast<float>(eps_d);
+  at::parallel_for(0, n, std::max<int64_t>(1, 16384 / d), [&](int64_t first, int64_t last) {
+    for (int64_t i = first; i < last; ++i) {
+      const bf16* row = xp + i * d;
+      vf ss = vzero();
+      for (int64_t j = 0; j < d; j += 16) { const vf v = load16(row + j); ss = vfma(v, v, ss); }
+      const vf r = vset(1.f / std::sqrt(vsum(ss) / static_cast<float>(d) + eps));
+      for (int64_t j = 0; j < d; j += 16) store16(op + i * d + j, vmul(vmul(load16(row + j), r), vload(wp + j)));
+    }
+  });
+  return out.view(x.sizes());
+}
+
 // The attention of llama_forward alone, before its rounding to bf16 (for tests of its batch invariance):
 // q [n, H * hd] bf16 (rotated), k/v caches [Hkv, cap, hd] holding the new tokens' entries at start.., mask [n, n]
 torch::Tensor llama_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t start, torch::Tensor mask,
