@@ -1,6 +1,6 @@
-"""Gemma 3 270M's forward with its RMSNorms in one C++ call each (``LeanGemma3.cpp_norm``, csrc/lean_llama.cpp
-``gemma_norm``) against the torch formula it replaces (eight small operations a norm, 109 norms a step), side by side
-in one process: the forward of k new tokens (a plain step for k = 1, a verify for more) after prompts of
+"""Gemma 3 270M's forward with its RMSNorms in one C++ call each and each layer's query and key norms and RoPE in
+one more (``LeanGemma3.cpp_norm``: csrc/lean_llama.cpp ``gemma_norm``, ``gemma_qk``) against the torch operations
+they replace (eight a norm, 109 norms a step, about fourteen for a layer's RoPE), side by side in one process: the forward of k new tokens (a plain step for k = 1, a verify for more) after prompts of
 ``--contexts`` tokens, the two ways interleaved call by call. The two round differently (another order of the fp32
 sum of squares), so each cell also says whether the next tokens agree and how far the logits are apart.
 

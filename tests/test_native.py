@@ -260,6 +260,26 @@ def test_gemma_norm_is_the_torch_formula_row_by_row():
         amx.gemma_norm(torch.zeros(2, 24, dtype=torch.bfloat16), torch.ones(24), 1e-6)
 
 
+def test_gemma_qk_gives_the_bits_of_the_norms_then_rope():
+    """gemma_qk (a layer's query and key heads normalised and rotated in one call) equals gemma_norm of each head
+    followed by the torch rotation LeanLlama._rotate, bit for bit, for a step, a verify and a prompt's rows."""
+    from hyflash.fast import LeanLlama
+
+    amx = kernels.amx()
+    g = torch.Generator().manual_seed(0)
+    for H, Hkv, hd, n in ((4, 1, 256, 1), (4, 1, 256, 7), (2, 1, 64, 300), (9, 3, 64, 5)):
+        qkv = torch.randn(n, (H + 2 * Hkv) * hd, generator=g).mul(2).to(torch.bfloat16)
+        qw, kw = 1 + torch.randn(hd, generator=g) * 0.1, 1 + torch.randn(hd, generator=g) * 0.1
+        half = rope_tables(torch.arange(100, 100 + n), hd, 10000.0, torch.float32)  # [n, hd / 2] each
+        cos, sin = (torch.cat([t, t], dim=-1).to(torch.bfloat16) for t in half)  # [n, hd]: LeanGemma3._rope's layout
+        q, k = amx.gemma_qk(qkv, H, Hkv, qw, kw, cos.contiguous(), sin.contiguous(), 1e-6)
+        want_q = amx.gemma_norm(qkv[:, : H * hd].view(n, H, hd), qw, 1e-6).transpose(0, 1)
+        want_k = amx.gemma_norm(qkv[:, H * hd:(H + Hkv) * hd].view(n, Hkv, hd), kw, 1e-6).transpose(0, 1)
+        want_q, want_k = (LeanLlama._rotate(x, cos[None], sin[None]) for x in (want_q, want_k))
+        assert torch.equal(q.view(n, H, hd).transpose(0, 1), want_q)
+        assert torch.equal(k.transpose(0, 1), want_k)
+
+
 # 4: inside the 6-token window; 19: sliding layers drop keys; 300 and 600: long enough for SDPA over several queries
 # at once to round differently from one query at a time (600 fails when the block attends all at once; at the
 # shorter starts the two happen to round alike)

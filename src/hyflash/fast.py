@@ -291,9 +291,10 @@ class LeanGemma3:
         # the C++ attention where it takes this geometry (its checks: lean_llama.cpp llama_attention)
         self.cpp_attention = kernels.amx() if self.bitwise and self.hd % 32 == 0 and self.hd <= 256 \
             and self.H % self.Hkv == 0 and self.H // self.Hkv <= 8 else None
-        # the norms in one C++ call each where our kernels are loaded (a decoding step makes 109 of them)
-        self.cpp_norm = kernels.amx() if self.embed.dtype == torch.bfloat16 and all(
-            w.shape[-1] % 16 == 0 for w in [self.final_norm] + [L["q_norm"] for L in self.layers]) else None
+        # the norms in one C++ call each where our kernels are loaded (a decoding step makes 109 of them), the query
+        # and key heads' norms and RoPE in one per layer (gemma_qk)
+        self.cpp_norm = kernels.amx() if self.embed.dtype == torch.bfloat16 and self.hd % 32 == 0 \
+            and self.hd <= 256 and self.final_norm.shape[-1] % 16 == 0 else None
 
     new_cache = LeanLlama.new_cache  # the same static cache (same attribute names)
 
@@ -368,11 +369,16 @@ class LeanGemma3:
         feats = []
         for i, L in enumerate(self.layers):
             qkv = L["qkv"](self._norm(h, L["norm_in"]))
-            q = self._norm(qkv[:, : H * hd].view(n, H, hd), L["q_norm"]).transpose(0, 1)
-            k = self._norm(qkv[:, H * hd:(H + Hkv) * hd].view(n, Hkv, hd), L["k_norm"]).transpose(0, 1)
             v = qkv[:, (H + Hkv) * hd:].view(n, Hkv, hd).transpose(0, 1)
             cos, sin = rope[L["rope"]]
-            q, k = LeanLlama._rotate(q, cos, sin), LeanLlama._rotate(k, cos, sin)
+            if self.cpp_norm is not None and qkv.dtype == torch.bfloat16:  # the same bits in one call
+                q, k = self.cpp_norm.gemma_qk(qkv.contiguous(), H, Hkv, L["q_norm"], L["k_norm"], cos[0], sin[0],
+                                              self.eps)
+                q, k = q.view(n, H, hd).transpose(0, 1), k.transpose(0, 1)
+            else:
+                q = self._norm(qkv[:, : H * hd].view(n, H, hd), L["q_norm"]).transpose(0, 1)
+                k = self._norm(qkv[:, H * hd:(H + Hkv) * hd].view(n, Hkv, hd), L["k_norm"]).transpose(0, 1)
+                q, k = LeanLlama._rotate(q, cos, sin), LeanLlama._rotate(k, cos, sin)
             ck, cv = cache.k[i], cache.v[i]
             ck[0, :, start:end] = k
             cv[0, :, start:end] = v

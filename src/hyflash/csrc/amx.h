@@ -25,6 +25,8 @@ std::vector<torch::Tensor> llama_forward(
     torch::Tensor cos, torch::Tensor sin, std::vector<int64_t> parents, int64_t heads, int64_t kv_heads, double eps,
     double scale, std::vector<int64_t> feature_layers);
 torch::Tensor gemma_norm(torch::Tensor x, torch::Tensor w1, double eps);
+std::vector<torch::Tensor> gemma_qk(torch::Tensor qkv, int64_t heads, int64_t kv_heads, torch::Tensor qw1,
+                                    torch::Tensor kw1, torch::Tensor cos, torch::Tensor sin, double eps);
 torch::Tensor llama_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t start, torch::Tensor mask,
                               int64_t heads, double scale, int64_t window);
 void cache_keep(std::vector<torch::Tensor> ks, std::vector<torch::Tensor> vs, int64_t start, std::vector<int64_t> nodes);

@@ -453,6 +453,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &amx_linear, "x [M<=16, K] bf16 @ w.T from pack(w) -> [M, N rounded up to 16] bf16");
   m.def("llama_forward", &llama_forward, "one forward of a Llama decoder over <= 16 new tokens (lean_llama.cpp)");
   m.def("gemma_norm", &gemma_norm, "Gemma 3's RMSNorm x * (1 + w), fp32 statistics, row by row (lean_llama.cpp)");
+  m.def("gemma_qk", &gemma_qk, "Gemma 3's query and key heads normalised and rotated (lean_llama.cpp)");
   m.def("llama_attention", &llama_attention,
         "llama_forward's attention alone, in fp32, optionally in a sliding window (Gemma 3's; lean_llama.cpp)",
         pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("start"), pybind11::arg("mask"),

@@ -460,6 +460,13 @@ std::vector<torch::Tensor> llama_forward(
 // dimension of x, any leading shape and row stride) gets its mean square summed in 16 lanes, then those lanes
 // summed in a fixed tree, x · r and then · w1 in fp32 (w1 = 1 + w, fp32), one rounding to bf16. Row by row, so a
 // row's bits do not depend on the rows normalised with it. d a multiple of 16.
+static void gemma_norm_row(const bf16* row, const float* w1, bf16* out, int64_t d, float eps) {
+  vf ss = vzero();
+  for (int64_t j = 0; j < d; j += 16) { const vf v = load16(row + j); ss = vfma(v, v, ss); }
+  const vf r = vset(1.f / std::sqrt(vsum(ss) / static_cast<float>(d) + eps));
+  for (int64_t j = 0; j < d; j += 16) store16(out + j, vmul(vmul(load16(row + j), r), vload(w1 + j)));
+}
+
 torch::Tensor gemma_norm(torch::Tensor x, torch::Tensor w1, double eps_d) {
   const int64_t d = x.size(-1);
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && w1.scalar_type() == torch::kFloat32 && w1.is_contiguous()
@@ -472,15 +479,40 @@ torch::Tensor gemma_norm(torch::Tensor x, torch::Tensor w1, double eps_d) {
   bf16* op = out.data_ptr<bf16>();
   const float eps = static_cast<float>(eps_d);
   at::parallel_for(0, n, std::max<int64_t>(1, 16384 / d), [&](int64_t first, int64_t last) {
-    for (int64_t i = first; i < last; ++i) {
-      const bf16* row = xp + i * d;
-      vf ss = vzero();
-      for (int64_t j = 0; j < d; j += 16) { const vf v = load16(row + j); ss = vfma(v, v, ss); }
-      const vf r = vset(1.f / std::sqrt(vsum(ss) / static_cast<float>(d) + eps));
-      for (int64_t j = 0; j < d; j += 16) store16(op + i * d + j, vmul(vmul(load16(row + j), r), vload(wp + j)));
-    }
+    for (int64_t i = first; i < last; ++i) gemma_norm_row(xp + i * d, wp, op + i * d, d, eps);
   });
   return out.view(x.sizes());
+}
+
+// Gemma 3's query and key heads from a block of qkv rows [n, (H + 2 Hkv) hd]: each head normalised (its q or k norm,
+// as gemma_norm) and rotated (as rope above: torch's bf16 x cos + rotate_half(x) sin), so the bits are those of
+// gemma_norm followed by LeanLlama._rotate, in one call instead of about twenty. cos, sin [n, hd] bf16 (each row's
+// position). Returns queries [n, H hd] (the layout the C++ attention reads) and keys [n, Hkv, hd].
+std::vector<torch::Tensor> gemma_qk(torch::Tensor qkv, int64_t H, int64_t Hkv, torch::Tensor qw1, torch::Tensor kw1,
+                                    torch::Tensor cos, torch::Tensor sin, double eps_d) {
+  const int64_t n = qkv.size(0), hd = qw1.numel(), row = qkv.size(1);
+  TORCH_CHECK(qkv.scalar_type() == torch::kBFloat16 && qkv.is_contiguous() && row == (H + 2 * Hkv) * hd
+              && hd % 32 == 0 && hd <= 256 && kw1.numel() == hd && qw1.scalar_type() == torch::kFloat32
+              && kw1.scalar_type() == torch::kFloat32 && qw1.is_contiguous() && kw1.is_contiguous(),
+              "gemma_qk: qkv bf16 [n, (H + 2 Hkv) hd], norm scales fp32 [hd], hd a multiple of 32 up to 256");
+  TORCH_CHECK(cos.scalar_type() == torch::kBFloat16 && cos.is_contiguous() && sin.is_contiguous()
+              && cos.size(0) == n && cos.size(1) == hd && sin.sizes() == cos.sizes(), "gemma_qk: cos, sin bf16 [n, hd]");
+  auto q = torch::empty({n, H * hd}, qkv.options());
+  auto k = torch::empty({n, Hkv, hd}, qkv.options());
+  const bf16* src = qkv.data_ptr<bf16>();
+  const float *qw = qw1.data_ptr<float>(), *kw = kw1.data_ptr<float>();
+  const bf16 *cs = cos.data_ptr<bf16>(), *sn = sin.data_ptr<bf16>();
+  bf16 *qp = q.data_ptr<bf16>(), *kp = k.data_ptr<bf16>();
+  const float eps = static_cast<float>(eps_d);
+  at::parallel_for(0, n, 64, [&](int64_t first, int64_t last) {
+    for (int64_t i = first; i < last; ++i)
+      for (int64_t a = 0; a < H + Hkv; ++a) {
+        bf16* out = a < H ? qp + (i * H + a) * hd : kp + (i * Hkv + a - H) * hd;
+        gemma_norm_row(src + i * row + a * hd, a < H ? qw : kw, out, hd, eps);
+        rope(out, cs + i * hd, sn + i * hd, hd);
+      }
+  });
+  return {q, k};
 }
 
 // The attention of llama_forward alone, before its rounding to bf16 (for tests of its batch invariance):
