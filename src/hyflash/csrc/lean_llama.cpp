@@ -297,10 +297,10 @@ class Attention {
       const int64_t slot = (kv * chunks_ + c) * RB_ * 16 + rb * 16;
       vstore(&part_m_[slot], best);
       vstore(&part_s_[slot], total);
-      // p·v, four query rows at a time (16 accumulators for hd 64; up to 4 x 16 for hd 256 in chunks of 64)
+      // p·v, four query rows by kPvDims dimensions at a time (the last piece of hd may be shorter)
       for (int64_t r0 = 0; r0 < 16 && rb * 16 + r0 < R_; r0 += 4)
         for (int64_t e0 = 0; e0 < hd_; e0 += kPvDims) {
-          const int ne = static_cast<int>(std::min<int64_t>(kPvDims / 16, (hd_ - e0) / 16));  // 4, or 2 for the last 32
+          const int ne = static_cast<int>(std::min<int64_t>(kPvDims / 16, (hd_ - e0) / 16));
           vf o[4][kPvDims / 16];
           for (auto& orow : o) for (auto& x : orow) x = vzero();
           for (int64_t k = 0; k < count; ++k) {
