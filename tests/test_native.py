@@ -339,6 +339,66 @@ def test_gemma3_forward_gives_each_token_the_bits_of_a_single_token_step(start, 
         assert torch.equal(after, target.forward(torch.tensor([7]), cache).logits)
 
 
+@pytest.mark.parametrize("cpp", [True, False])  # False: each token attends alone through SDPA
+def test_gemma3_windowed_cache_gives_the_bits_of_the_whole_history(cpp):
+    """Sliding layers keep only what their window can still see (``StaticCache``: buffers of window + a key chunk +
+    slack, slid down by whole chunks, grown for a long forward): a chunked prefill, then steps, chains and trees with
+    kept paths and rollbacks give the logits and features of a cache that keeps every position, bit for bit."""
+    from hyflash.decoding import prompt_forward
+
+    target = bf16_gemma3(seed=5)
+    if not cpp:
+        target.lean.cpp_attention = None
+    cap = 700
+    whole, windowed = target.lean.new_cache(cap, windowed=False), target.lean.new_cache(cap, slack=8)
+    assert not any(whole.windowed) and windowed.windowed == [True, False, True, False]
+    assert windowed.k[0].shape[2] == 128  # 5 + 64 + 8 rounded up to a chunk
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(1, 63, (300,), generator=g).tolist()
+    first = [prompt_forward(target, prompt, c, True, chunk=200) for c in (whole, windowed)]  # 200 > 128: grown
+    assert torch.equal(first[0][0], first[1][0]) and torch.equal(first[0][1], first[1][1])
+    # the 200-token chunk grew the buffers to 256; for the last 100 tokens they hold (200 - 5) // 64 * 64 on in 128
+    assert windowed.k[0].shape[2] == 128 and windowed.base == 192
+    grown = target.lean.new_cache(cap, slack=8)
+    target.forward(torch.tensor(prompt[:200]), grown)
+    assert grown.k[0].shape[2] == 256 and grown.k[1].shape[2] == cap
+    bases, slots, rounds = {windowed.base}, set(), 0
+    while whole.length < cap - 16:
+        n = int(torch.randint(1, 9, (1,), generator=g))
+        ids, start = torch.randint(1, 63, (n,), generator=g), whole.length
+        parents = [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)] if n > 2 and rounds % 3 else None
+        a, b = (target.forward(ids, c, parents=parents) for c in (whole, windowed))
+        assert torch.equal(a.logits, b.logits) and torch.equal(a.features, b.features), (rounds, start, n)
+        if parents:  # keep the path to a random node
+            node, path = int(torch.randint(0, n, (1,), generator=g)), []
+            while node:
+                path.append(node)
+                node = parents[node - 1]
+            for c in (whole, windowed):
+                target.keep_path(c, start, [0] + path[::-1])
+        else:
+            keep = int(torch.randint(1, n + 1, (1,), generator=g))
+            for c in (whole, windowed):
+                target.rollback(c, start + keep)
+        bases.add(windowed.base)
+        slots.add(windowed.k[0].shape[2])
+        rounds += 1
+    assert len(bases) >= 5 and all(b % 64 == 0 for b in bases)  # slid down several times, by whole chunks
+    assert slots == {128} and windowed.k[1].shape[2] == cap
+    assert windowed.allocated_bytes() < 0.7 * whole.allocated_bytes()
+    assert windowed.nbytes() < whole.nbytes() == 2 * 4 * 64 * 2 * whole.length
+    with pytest.raises(ValueError, match="no longer hold"):  # its window's keys are gone
+        target.rollback(windowed, windowed.base + 4)
+    target.rollback(windowed, windowed.base + 5)  # the oldest key position base + 5 sees is base
+    target.rollback(whole, windowed.length)
+    a, b = (target.forward(torch.tensor([9]), c) for c in (whole, windowed))
+    assert torch.equal(a.logits, b.logits)
+    target.rollback(windowed, 0)  # empty again: from the start
+    assert windowed.base == 0
+    again = prompt_forward(target, prompt, windowed, True, chunk=200)
+    assert torch.equal(again[0], first[0][0])
+
+
 def test_gemma3_bf16_speculative_greedy_output_equals_plain_decoding():
     target = bf16_gemma3(seed=3)
     drafter = _bf16_drafter(target, window=8)

@@ -239,13 +239,16 @@ def cache_nbytes(cache) -> int:
 
 
 def measure_target_kv(target, context: int) -> int:
-    """Run the target over `context` tokens and count the bytes its cache holds."""
+    """Run the target over `context` tokens, in chunks as a prompt's prefill, and count the bytes its cache holds."""
     import torch
 
-    ids = torch.randint(0, target.vocab_size, (1, context), generator=torch.Generator().manual_seed(0))
+    from hyflash.decoding import PREFILL_CHUNK
+
+    ids = torch.randint(0, target.vocab_size, (context,), generator=torch.Generator().manual_seed(0))
     cache = target.new_cache()
     with torch.no_grad():
-        target.forward(ids, cache, features=False)
+        for start in range(0, context, PREFILL_CHUNK):
+            target.forward(ids[start:start + PREFILL_CHUNK], cache, features=False, last_only=True)
     return cache_nbytes(cache)
 
 
@@ -321,7 +324,7 @@ def _measured(target_spec, drafter_spec, t: TargetGeometry, d: DrafterGeometry |
     """Computed next to measured bytes at n tokens (runs the target and the drafter state on this machine)."""
     from hyflash.target import Target
 
-    tgt = Target.load(target_spec, dtype="bf16")
+    tgt = Target.load(target_spec, dtype="bf16", fast=None)  # as `hyflash generate` runs it
     lines = [f"computed vs measured at {n:,} tokens (this machine, bf16):"]
     weights = sum(p.numel() * p.element_size() for p in tgt.model.parameters())
     lines.append(f"  target weights      computed {Budget(t, None, n).rows[0][1]:>14,.0f} B   measured {weights:>14,} B")

@@ -403,7 +403,7 @@ class Target:
         if length > current or length < 0:
             raise ValueError(f"cannot roll back a cache of {current} tokens to {length}")
         if hasattr(cache, "capacity"):  # static cache: entries past the length are simply overwritten later
-            cache.length = length
+            cache.truncate(length)
             return
         sliding = any(getattr(layer, "is_sliding", False) for layer in cache.layers)
         if sliding and length < getattr(cache, "hyflash_floor", 0):

@@ -45,9 +45,15 @@ def machine() -> dict:
 
 
 def git_commit() -> str:
+    """The checkout's short commit, with "+changes" when tracked files differ from it (a run of uncommitted code)."""
+    here = Path(__file__).parent
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent).stdout.strip() or "?"
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=here).stdout.strip()
+        if not commit:
+            return "?"
+        changed = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"], capture_output=True, cwd=here).returncode
+        return commit + ("+changes" if changed == 1 else "")
     except OSError:
         return "?"
 
