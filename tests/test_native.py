@@ -357,8 +357,9 @@ def test_gemma3_windowed_cache_gives_the_bits_of_the_whole_history(cpp):
     prompt = torch.randint(1, 63, (300,), generator=g).tolist()
     first = [prompt_forward(target, prompt, c, True, chunk=200) for c in (whole, windowed)]  # 200 > 128: grown
     assert torch.equal(first[0][0], first[1][0]) and torch.equal(first[0][1], first[1][1])
-    # the 200-token chunk grew the buffers to 256; for the last 100 tokens they hold (200 - 5) // 64 * 64 on in 128
-    assert windowed.k[0].shape[2] == 128 and windowed.base == 192
+    # the 200-token chunk grew the buffers to 256; for the last 100 they held (200 - 5) // 64 * 64 on in 128, and
+    # after the prefill (300 - 5) // 64 * 64 on
+    assert windowed.k[0].shape[2] == 128 and windowed.base == 256
     grown = target.lean.new_cache(cap, slack=8)
     target.forward(torch.tensor(prompt[:200]), grown)
     assert grown.k[0].shape[2] == 256 and grown.k[1].shape[2] == cap
@@ -385,6 +386,7 @@ def test_gemma3_windowed_cache_gives_the_bits_of_the_whole_history(cpp):
         rounds += 1
     assert len(bases) >= 5 and all(b % 64 == 0 for b in bases)  # slid down several times, by whole chunks
     assert slots == {128} and windowed.k[1].shape[2] == cap
+    assert not any(k.is_inference() for k in windowed.k)  # buffers resized in a forward stay ordinary tensors
     assert windowed.allocated_bytes() < 0.7 * whole.allocated_bytes()
     assert windowed.nbytes() < whole.nbytes() == 2 * 4 * 64 * 2 * whole.length
     with pytest.raises(ValueError, match="no longer hold"):  # its window's keys are gone

@@ -249,6 +249,8 @@ def measure_target_kv(target, context: int) -> int:
     with torch.no_grad():
         for start in range(0, context, PREFILL_CHUNK):
             target.forward(ids[start:start + PREFILL_CHUNK], cache, features=False, last_only=True)
+    if hasattr(cache, "trim"):  # as after a prompt's prefill (decoding.prompt_forward)
+        cache.trim()
     return cache_nbytes(cache)
 
 

@@ -236,6 +236,8 @@ def prompt_forward(target, prompt_ids: list[int], cache, features: bool,
         if features:
             feats.append(out.features)
     target.rollback(cache, len(prompt_ids))
+    if hasattr(cache, "trim"):  # our static cache: sliding-window layers keep only their window from here on
+        cache.trim()
     return logits, (torch.cat(feats) if features else None)
 
 

@@ -74,29 +74,36 @@ class StaticCache:
         """The position in slot 0 of ``layer``'s buffers: a position p is at slot p − offset."""
         return self.base if self.windowed[layer] else 0
 
-    def make_room(self, start: int, n: int) -> None:
+    def make_room(self, start: int, n: int, drop: bool = False) -> None:
         """Before n new tokens at ``start`` (= the length): make the windowed buffers take them, keeping every
         position from the oldest any of them can see (start − window + 1), rounded down to a chunk. Buffers grown
-        for a long forward (a prefill's chunk) shrink back at the first short one after it."""
+        for a long forward (a prefill's chunk) shrink back at the first short one after it. ``drop``: drop the
+        positions no new token can see even where the buffers could take the new ones without it."""
         if not any(self.windowed):
             return
         slots_now = self.k[self.windowed.index(True)].shape[2]
         base = max(self.base, max(0, start - self.window + 1) // KEY_CHUNK * KEY_CHUNK)
         lo, keep = base - self.base, start - base
         slots = max(self.window_slots, _round_up(keep + n))
-        if start + n - self.base <= slots_now and slots >= slots_now:
+        if start + n - self.base <= slots_now and slots >= slots_now and not (drop and lo):
             return  # they fit, and no smaller buffers would
-        for buffers in (self.k, self.v):
-            for i, buf in enumerate(buffers):
-                if not self.windowed[i]:
-                    continue
-                if slots != buf.shape[2]:
-                    resized = buf.new_zeros(1, buf.shape[1], slots, buf.shape[3])
-                    resized[0, :, :keep] = buf[0, :, lo:lo + keep]
-                    buffers[i] = resized
-                elif lo:
-                    buf[0, :, :keep] = buf[0, :, lo:lo + keep].clone()  # the copy first: source and target overlap
+        with torch.inference_mode(False):  # ordinary tensors as new_cache makes, whether or not called in a forward
+            for buffers in (self.k, self.v):
+                for i, buf in enumerate(buffers):
+                    if not self.windowed[i]:
+                        continue
+                    if slots != buf.shape[2]:
+                        resized = buf.new_zeros(1, buf.shape[1], slots, buf.shape[3])
+                        resized[0, :, :keep] = buf[0, :, lo:lo + keep]
+                        buffers[i] = resized
+                    elif lo:
+                        buf[0, :, :keep] = buf[0, :, lo:lo + keep].clone()  # copy first: source and target overlap
         self.base = base
+
+    def trim(self) -> None:
+        """Drop what no window can see from the length on (after a prompt's prefill: its last chunk left up to 2,048
+        more positions); a rollback below the length may then be refused (``truncate``)."""
+        self.make_room(self.length, 0, drop=True)
 
     def truncate(self, length: int) -> None:
         """Keep the first ``length`` positions (a rollback: entries past it are overwritten later). Raises
