@@ -92,8 +92,8 @@ def generate(prompt, target, drafter, max_new_tokens, temperature, top_k, top_p,
     click.echo(
         f"\n[{stats['new_tokens']} tokens in {stats['rounds']} rounds | acceptance length "
         f"{stats['acceptance_length']:.2f} | {stats['tokens_per_s']:.1f} tok/s | draft {stats['draft_ms']:.0f} ms, "
-        f"verify {stats['verify_ms']:.0f} ms | drafter state {stats['drafter_state_bytes']} B | "
-        f"stop: {stats['stop_reason']}]", err=True)
+        f"verify {stats['verify_ms']:.0f} ms | drafter state {stats['drafter_state_bytes']:,} B | target KV "
+        f"{stats['target_kv_bytes']:,} B | stop: {stats['stop_reason']}]", err=True)
 
 
 @cli.command()
