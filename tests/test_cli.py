@@ -42,6 +42,9 @@ def test_generate_json_prints_one_object(smollm2_fp32):
 @pytest.mark.slow
 def test_bad_input_gets_a_clear_error(smollm2_fp32, tmp_path):
     assert_clean_error(hyflash("generate", "   "), "the prompt is empty")
+    assert_clean_error(hyflash("generate"), "no prompt: give PROMPT or --prompt-file")
+    (tmp_path / "p.txt").write_text("hi")
+    assert_clean_error(hyflash("generate", "hi", "-f", str(tmp_path / "p.txt")), "not both")
     assert_clean_error(hyflash("generate", "word " * 9000, "--no-chat"), "context window is 8192")
     assert_clean_error(hyflash("generate", "hi", "--drafter", str(tmp_path / "nope")), "unknown drafter")
     # a drafter checkpoint made for another target
@@ -54,6 +57,22 @@ def test_bad_input_gets_a_clear_error(smollm2_fp32, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.slow
+def test_a_long_prompt_comes_from_a_file_or_stdin_with_a_prefill_progress_bar(smollm2_fp32, tmp_path):
+    text = "The quick brown fox jumps over the lazy dog. " * 230  # about 2,300 tokens: more than a prefill chunk
+    (tmp_path / "doc.txt").write_text(text)
+    common = ["--no-chat", "--max-new-tokens", "4", "--drafter", "none", "--dtype", "fp32"]
+    as_arg = hyflash("generate", text, *common, "--json")
+    from_file = hyflash("generate", "--prompt-file", str(tmp_path / "doc.txt"), *common, "--json")
+    from_stdin = subprocess.run([sys.executable, "-m", "hyflash.cli", "generate", "-f", "-", *common, "--json"],
+                                input=text, capture_output=True, text=True, timeout=300)
+    runs = [json.loads(proc.stdout) for proc in (as_arg, from_file, from_stdin)]
+    assert runs[0]["stats"]["prompt_tokens"] > 2048
+    assert runs[0]["token_ids"] == runs[1]["token_ids"] == runs[2]["token_ids"]
+    shown = hyflash("generate", "-f", str(tmp_path / "doc.txt"), *common)
+    assert shown.returncode == 0 and "prefill" in shown.stderr and "tok" in shown.stderr
+
+
 def test_shipped_drafter_is_the_default_and_lossless(smollm2_fp32):
     from hyflash.decoding import generate
     from hyflash.proposers import HyFlashProposer, LookupThenDrafter, load_proposer, shipped_drafter_path

@@ -33,7 +33,9 @@ def cli():
 
 
 @cli.command()
-@click.argument("prompt")
+@click.argument("prompt", required=False)
+@click.option("--prompt-file", "-f", type=click.File("r", encoding="utf-8"), default=None,
+              help="Read the prompt from this file ('-': standard input) instead of PROMPT: long documents.")
 @click.option("--target", default=None, help="Embedded name (smollm2-135m), model directory, .gguf file or hub id.")
 @click.option("--drafter", default=None,
               help="none | ngram | auto (the shipped drafter) | path to a drafter checkpoint | ngram+auto, ngram+PATH "
@@ -54,12 +56,17 @@ def cli():
 @click.option("--fast/--no-fast", default=None,
               help="Our lean target forward with a static KV cache (default: where it covers the architecture).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object {text, token_ids, stats} and nothing else.")
-def generate(prompt, target, drafter, max_new_tokens, temperature, top_k, top_p, seed, chat, dtype, stop_strings,
-             threads, fast, as_json):
-    """Generate text for PROMPT, streaming it, then print the decoding statistics."""
-    from hyflash.decoding import SamplingConfig, generate as run
+def generate(prompt, prompt_file, target, drafter, max_new_tokens, temperature, top_k, top_p, seed, chat, dtype,
+             stop_strings, threads, fast, as_json):
+    """Generate text for PROMPT (or the text of --prompt-file), streaming it, then print the decoding statistics."""
+    from hyflash.decoding import PREFILL_CHUNK, SamplingConfig, generate as run
     from hyflash.target import Target
 
+    if (prompt is None) == (prompt_file is None):
+        raise HyflashError("give the prompt either as PROMPT or with --prompt-file, not both" if prompt is not None
+                           else "no prompt: give PROMPT or --prompt-file FILE")
+    if prompt_file is not None:
+        prompt = prompt_file.read()
     if not prompt.strip():
         raise HyflashError("the prompt is empty")
     from hyflash.proposers import load_proposer, shipped_drafter_path, tree_nodes
@@ -78,8 +85,22 @@ def generate(prompt, target, drafter, max_new_tokens, temperature, top_k, top_p,
                    "on 64-bit Arm, and a C++ compiler), bf16 verification rounds differently from single steps, so "
                    "greedy output can differ from --drafter none at near-ties; --dtype fp32 keeps it identical", err=True)
     streamer = None if as_json else _TextStreamer(tgt)
-    result = run(tgt, ids, proposer, max_new_tokens=max_new_tokens, sampling=sampling,
-                 stop_strings=tuple(stop_strings), on_tokens=streamer)
+    bar = on_prefill = None
+    if not as_json and len(ids) > PREFILL_CHUNK:  # a long prompt's prefill takes a while on a CPU: show it
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(ids), desc="prefill", unit="tok", dynamic_ncols=True, leave=False, file=sys.stderr)
+
+        def on_prefill(n: int) -> None:
+            bar.update(n)
+            if bar.n >= bar.total:  # gone before the text streams
+                bar.close()
+    try:
+        result = run(tgt, ids, proposer, max_new_tokens=max_new_tokens, sampling=sampling,
+                     stop_strings=tuple(stop_strings), on_tokens=streamer, on_prefill=on_prefill)
+    finally:
+        if bar is not None:
+            bar.close()
     stats = result.stats.to_dict()
     stats["drafter"] = drafter
     stats["tree"] = tree_nodes(proposer)

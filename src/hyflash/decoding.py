@@ -223,18 +223,22 @@ class Prefill:
 PREFILL_CHUNK = 2048  # prompt tokens per target forward in a prefill
 
 
-def prompt_forward(target, prompt_ids: list[int], cache, features: bool,
-                   chunk: int = PREFILL_CHUNK) -> tuple[torch.Tensor, torch.Tensor | None]:
+def prompt_forward(target, prompt_ids: list[int], cache, features: bool, chunk: int = PREFILL_CHUNK,
+                   on_chunk: Callable[[int], None] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The target over a prompt into ``cache``, ``chunk`` tokens per forward → (logits after the prompt [V], features
     [T, F] or None). In chunks, a sliding-window layer attends over its window plus the chunk instead of the whole
     prompt (Gemma 3: 15 of 18 layers; a 16K-token prompt's attention cost falls about fivefold), the attention mask
-    stays chunk × prompt, and only the last token's logits are computed."""
+    stays chunk × prompt, and only the last token's logits are computed. ``on_chunk`` is called with each chunk's
+    token count once it is done (a progress bar)."""
     feats, logits = [], None
     for start in range(0, len(prompt_ids), chunk):
-        out = target.forward(torch.tensor(prompt_ids[start:start + chunk]), cache, features=features, last_only=True)
+        block = prompt_ids[start:start + chunk]
+        out = target.forward(torch.tensor(block), cache, features=features, last_only=True)
         logits = out.logits[-1]
         if features:
             feats.append(out.features)
+        if on_chunk:
+            on_chunk(len(block))
     target.rollback(cache, len(prompt_ids))
     if hasattr(cache, "trim"):  # our static cache: sliding-window layers keep only their window from here on
         cache.trim()
@@ -253,13 +257,15 @@ def prefill(target, prompt_ids: list[int], features: bool = True, capacity: int 
 def generate(target, prompt_ids: list[int], proposer: Proposer | None = None, max_new_tokens: int = 128,
              sampling: SamplingConfig | None = None, stop_strings: tuple[str, ...] | list[str] = (),
              on_tokens: Callable[[list[int]], None] | None = None,
-             shared_prefill: Prefill | None = None) -> GenerationResult:
+             shared_prefill: Prefill | None = None,
+             on_prefill: Callable[[int], None] | None = None) -> GenerationResult:
     """Generate up to ``max_new_tokens`` after ``prompt_ids`` with the target, drafting with ``proposer``.
 
     The output equals the target's own decoding (greedy: token for token; sampling: in distribution).
     ``on_tokens`` is called with each round's newly committed tokens (streaming). ``shared_prefill``: the target's
     pass over this prompt from ``prefill()``, reused (its cache is copied, never changed); its time is not counted
-    again (``stats.prefill_ms`` is then the copy's).
+    again (``stats.prefill_ms`` is then the copy's). ``on_prefill`` is called with the prompt tokens of each
+    prefill chunk once it is done (``prompt_forward``).
     """
     sampling = sampling or SamplingConfig()
     sampling.validate()
@@ -287,7 +293,8 @@ def generate(target, prompt_ids: list[int], proposer: Proposer | None = None, ma
         last_logits, features = shared_prefill.last_logits, shared_prefill.features
     else:
         cache = target.new_cache(len(prompt_ids) + max_new_tokens + 1)
-        last_logits, features = prompt_forward(target, prompt_ids, cache, proposer.needs_features)
+        last_logits, features = prompt_forward(target, prompt_ids, cache, proposer.needs_features,
+                                               on_chunk=on_prefill)
     tree_ok = target.supports_tree and hasattr(cache, "capacity")  # else a drafted tree is cut to its chain
     proposer.commit(list(prompt_ids), features if proposer.needs_features else None)
     anchor = int(torch.multinomial(target_probs(last_logits, sampling), 1, generator=sample_gen)) \
