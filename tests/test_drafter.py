@@ -355,3 +355,36 @@ def test_a_tree_of_n_nodes_drafts_only_the_blocks_first_n_slots(tmp_path):
         prop.state.draft_logits = spy
         draft = prop.draft(4, 20, sampling)
         assert asked[-1] == want and 1 <= len(draft.tokens) <= max(tree, block)
+
+
+def test_memory_horizon_measures_the_retention_the_gates_give():
+    """benchmarks/memory_horizon.py: a write d steps back is scaled by exp(g_{t+1} + ... + g_{t+d}); constant gates
+    give the closed forms, distances longer than every sequence give no figure, and the gates it reads are the
+    memory's own."""
+    import math
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    from memory_horizon import log_decays, retention_table
+
+    g = torch.empty(600, 2)
+    g[:, 0], g[:, 1] = -0.01, -math.log(2) / 100  # head 1: a half-life of 100 steps
+    g[300, 0] = -5.0  # one hard forget in head 0: the median over positions barely moves, the mean does
+    t = retention_table([g])
+    assert abs(float(t["half-life"][1]) - 100) < 1e-3 and abs(float(t["half-life"][0]) - math.log(2) / 0.01) < 1e-3
+    assert abs(float(t["r@256"][1]) - 2 ** -2.56) < 1e-5
+    assert abs(float(t["r@64"][0]) - math.exp(-0.64)) < 1e-5  # most 64-step windows miss the forget
+    assert math.isnan(float(t["r@1024"][0]))  # no position has 1,024 steps after it
+    assert abs(float(t["r@8192*"][0]) - math.exp(8192 * float(g[:, 0].mean()))) < 1e-12
+    cfg = DrafterConfig(variant="hyflash", memory="mamba2", num_layers=2, window=6, hidden_size=32, num_heads=4,
+                        num_kv_heads=2, head_dim=8, intermediate_size=64, memory_heads=2, memory_head_dim=8,
+                        memory_state_dim=4, target_layers=[0, 1], target_hidden_size=32, vocab_size=40)
+    emb = torch.randn(40, 32)
+    drafter = HyFlashDrafter(cfg, emb, emb).eval()
+    feats = torch.randn(50, 2 * 32)
+    got = log_decays(drafter, [feats])
+    c = drafter.fuse_features(feats[None])
+    for i, layer in enumerate(drafter.layers):
+        assert torch.equal(got[i][0], layer.memory.write_inputs(c)[2][0].float())
+        assert bool((got[i][0] <= 0).all())
