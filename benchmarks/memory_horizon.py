@@ -78,9 +78,13 @@ def retention_table(gs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def bias_only(layer) -> torch.Tensor:
-    """The log-decay a head's gate gives when the feature-dependent part is zero: −exp(A_log)·softplus(dt_bias)."""
+    """The log-decay a head's gate gives when the feature-dependent part is zero: −exp(A_log)·softplus(dt_bias), or
+    −c·sigmoid(dt_bias) for the heads under a reach floor (``memory_long_heads``)."""
     m = layer.memory
-    return (-torch.exp(m.A_log.float()) * torch.nn.functional.softplus(m.dt_bias.float())).detach()
+    g = -torch.exp(m.A_log.float()) * torch.nn.functional.softplus(m.dt_bias.float())
+    n = m.long_heads
+    g[:n] = -m.decay_cap * torch.sigmoid(m.dt_bias.float()[:n])
+    return g.detach()
 
 
 def fmt(x: float) -> str:

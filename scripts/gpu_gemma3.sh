@@ -13,7 +13,7 @@
 # log and the exact commands), cut into 16 MiB parts .device/results/part-NN. A call returns at most 64 MiB: the
 # train call brings parts 00-02 and the tar's sha256, `fetch 1` parts 03-06, `fetch 2` parts 07-10. Join them
 # here with `cat part-* > gemma3-gpu.tar` and check the sha256. `continue` does the same in .device/results2/.
-# VARIANTS (default "hyflash full swa noslot"; also mem512 depth1 depth3 gdn, recipes/gemma3-*-gpu.json: all eight
+# VARIANTS (default "hyflash full swa noslot"; also mem512 depth1 depth3 gdn floor, recipes/gemma3-*-gpu.json: all nine
 # share each batch), DEVICE (default cuda) and EXTRA (more --set FIELD=VALUE) let the same script run a small smoke
 # test on a CPU. More variants mean more result parts: `fetch K` for K = 1, 2, ... until none are left.
 set -euo pipefail

@@ -28,6 +28,8 @@ VARIANTS = [
     dict(variant="hyflash", memory="gdn", num_layers=1),
     dict(variant="hyflash", memory="mamba2", num_layers=3),
     dict(variant="hyflash", memory="mamba2", draft_vocab_size=20),
+    dict(variant="hyflash", memory="mamba2", memory_long_heads=1, memory_min_half_life=100.0),
+    dict(variant="hyflash", memory="gdn", memory_long_heads=1, memory_min_half_life=100.0),
 ]
 
 
@@ -388,3 +390,31 @@ def test_memory_horizon_measures_the_retention_the_gates_give():
     for i, layer in enumerate(drafter.layers):
         assert torch.equal(got[i][0], layer.memory.write_inputs(c)[2][0].float())
         assert bool((got[i][0] <= 0).all())
+
+
+def test_long_memory_heads_cannot_forget_faster_than_their_half_life():
+    """memory_long_heads: the first heads' log-decays are -c * sigmoid(gate pre-activation), c = ln 2 /
+    memory_min_half_life, so their half-life stays above it while the gate still sets it per feature (a gradient
+    reaches the gate); the other heads are untouched."""
+    import math
+
+    for memory in ("mamba2", "gdn"):
+        plain = tiny_drafter(memory=memory)
+        floored = tiny_drafter(memory=memory, memory_long_heads=1, memory_min_half_life=50.0)
+        with torch.no_grad():
+            for m in (plain.layers[0].memory, floored.layers[0].memory):
+                m.dt_bias.fill_(3.0)  # fast forgetting everywhere: the floor must act
+        floored.load_state_dict(plain.state_dict())
+        c = torch.randn(1, 30, plain.config.hidden_size, dtype=torch.float64)
+        with torch.no_grad():
+            g0 = plain.layers[0].memory.write_inputs(c)[2]
+        g1 = floored.layers[0].memory.write_inputs(c)[2]
+        cap = math.log(2) / 50.0
+        assert bool((g0[..., 0] < -cap).all())  # without the floor head 0 forgets faster than the half-life allows
+        assert bool((g1[..., 0] >= -cap).all()) and bool((g1[..., 0] < 0).all())
+        assert float(g1[..., 0].std()) > 0  # still chosen per feature
+        torch.testing.assert_close(g1[..., 1:].detach(), g0[..., 1:], rtol=0, atol=0)
+        g1[..., 0].sum().backward()
+        assert float(floored.layers[0].memory.dt_bias.grad[0].abs()) > 0
+    with pytest.raises(HyflashError, match="memory_long_heads"):
+        DrafterConfig(**{**TINY, "memory_long_heads": TINY["memory_heads"] + 1})

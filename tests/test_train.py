@@ -596,13 +596,13 @@ def test_gemma3_gpu_recipes_differ_in_the_drafter_only_and_keep_the_cpu_held_out
 
 
 def test_gemma3_gpu_ablation_recipes_change_one_drafter_field_and_train_side_by_side_with_the_others():
-    """mem512, depth1, depth3 and gdn are gemma3-hyflash-gpu with one drafter field changed; all eight GPU recipes
+    """mem512, depth1, depth3, gdn and floor are gemma3-hyflash-gpu with one drafter setting changed; all nine GPU recipes
     agree on what decides a batch, so one process trains them together (check_shareable)."""
     from hyflash.train import check_shareable
 
     hyflash = load_recipe("gemma3-hyflash-gpu")
     changes = {"mem512": {"memory_limit": 512}, "depth1": {"num_layers": 1}, "depth3": {"num_layers": 3},
-               "gdn": {"memory": "gdn"}}
+               "gdn": {"memory": "gdn"}, "floor": {"memory_long_heads": 4, "memory_min_half_life": 8192.0}}
     for v, change in changes.items():
         cfg = load_recipe(f"gemma3-{v}-gpu")
         assert cfg.drafter.to_dict() == {**hyflash.drafter.to_dict(), **change}

@@ -22,6 +22,12 @@ class DrafterConfig:
     memory: str = "mamba2"  # mamba2 | gdn
     # ablations
     memory_limit: int | None = None  # memory folds only the last N committed features (None: all of them)
+    # a reach floor: the first N memory heads cannot forget faster than this half-life (in committed features): their
+    # per-feature log-decay is g = -c * sigmoid(gate pre-activation), c = ln 2 / half-life, instead of A * softplus(.).
+    # Trained drafters' heads can forget within tens of features (benchmarks/memory_horizon.py); this keeps some able
+    # to reach far back while their gates still choose how fast, within the floor.
+    memory_long_heads: int = 0
+    memory_min_half_life: float = 2048.0
     slot_attention: bool = True  # draft slots attend to each other (bidirectionally)
     causal_head_rank: int = 0  # DSpark's intra-block causal head: low-rank bias from the previous slot's token
     draft_vocab_size: int = 0  # >0: the LM head covers only these most frequent target tokens (EAGLE-3's reduced
@@ -62,6 +68,10 @@ class DrafterConfig:
             raise HyflashError("window must be >= 1")
         if self.num_heads % self.num_kv_heads:
             raise HyflashError("num_heads must be a multiple of num_kv_heads")
+        if not 0 <= self.memory_long_heads <= self.memory_heads:
+            raise HyflashError(f"memory_long_heads must be between 0 and memory_heads ({self.memory_heads})")
+        if self.memory_min_half_life <= 0:
+            raise HyflashError("memory_min_half_life must be > 0")
 
     @property
     def has_memory(self) -> bool:

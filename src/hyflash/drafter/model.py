@@ -38,6 +38,8 @@ class MemoryBranch(nn.Module):
         super().__init__()
         self.kind = cfg.memory
         self.H, self.dk, self.dv, self.K = cfg.memory_heads, cfg.memory_state_dim, cfg.memory_head_dim, cfg.conv_kernel
+        self.long_heads = cfg.memory_long_heads
+        self.decay_cap = math.log(2) / cfg.memory_min_half_life  # the long heads' largest per-feature forgetting
         d = cfg.hidden_size
         n_k = self.dk if self.kind == "mamba2" else self.H * self.dk  # Mamba-2 shares B over heads (one group)
         self.conv_dim = self.H * self.dv + n_k
@@ -51,6 +53,8 @@ class MemoryBranch(nn.Module):
         self.A_log = nn.Parameter(torch.log(torch.linspace(1.0, 16.0, self.H)))
         dt = torch.exp(torch.linspace(math.log(1e-3), math.log(1e-1), self.H))
         self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # softplus⁻¹(dt)
+        with torch.no_grad():  # long heads (the reach floor) start at twice the floor's half-life: sigmoid(0) = 1/2
+            self.dt_bias[: self.long_heads] = 0.0
 
     def conv_state_shape(self) -> tuple[int, int]:
         return (self.K - 1, self.conv_dim)
@@ -78,14 +82,25 @@ class MemoryBranch(nn.Module):
         A = -torch.exp(self.A_log.to(f))
         gates = gates.to(f)
         if self.kind == "mamba2":
-            dt = F.softplus(gates + self.dt_bias.to(f))  # [B, T, H]
+            pre = gates + self.dt_bias.to(f)
+            dt = F.softplus(pre)  # [B, T, H]
             k = k.view(B, T, 1, self.dk).expand(B, T, self.H, self.dk)
             v = x * dt.to(x.dtype)[..., None]
-            return k, v, (A * dt), None, new_state
+            return k, v, self._floor(A * dt, pre), None, new_state
         a, b = gates[..., : self.H], gates[..., self.H:]
-        g = A * F.softplus(a + self.dt_bias.to(f))
+        pre = a + self.dt_bias.to(f)
+        g = A * F.softplus(pre)
         k = F.normalize(k.view(B, T, self.H, self.dk), dim=-1)
-        return k, x, g, torch.sigmoid(b), new_state
+        return k, x, self._floor(g, pre), torch.sigmoid(b), new_state
+
+    def _floor(self, g: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+        """Log-decays g [.., H] (≤ 0) with the first ``long_heads`` replaced by −decay_cap · sigmoid(pre), pre the
+        gate's pre-activation (``DrafterConfig``: the reach floor): a rate the gate still chooses per feature, within
+        (0, decay_cap), so such a head's half-life stays above memory_min_half_life."""
+        if not self.long_heads:
+            return g
+        n = self.long_heads
+        return torch.cat([-self.decay_cap * torch.sigmoid(pre[..., :n]), g[..., n:]], dim=-1)
 
     def query(self, x: torch.Tensor) -> torch.Tensor:
         """Slot states [B, Q, d] → read queries [B, H, Q, dk]."""

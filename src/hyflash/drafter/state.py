@@ -97,7 +97,8 @@ class _NativeWeights:
         if (module is None or next(drafter.parameters()).dtype != torch.bfloat16 or cfg.attention_window is None
                 or cfg.head_dim % 32 or cfg.hidden_size % 16 or cfg.intermediate_size % 16
                 or (m is not None and (m.dv % 16 or m.dk > 256 or m.dv > 256))
-                or cfg.memory_limit is not None or not cfg.slot_attention or cfg.causal_head_rank
+                or cfg.memory_limit is not None or cfg.memory_long_heads or not cfg.slot_attention
+                or cfg.causal_head_rank
                 or (cfg.has_memory and cfg.memory != "mamba2") or head is None or head.amx is None
                 or any(lin.amx is None for lin in linears)):
             return None
