@@ -157,11 +157,11 @@ def test_native_forward_returns_each_rows_argmax_and_checks_the_tree():
         target.lean.forward(torch.tensor([1, 2, 3]), cache, None, parents=[0, 2])
 
 
-def _bf16_drafter(target, variant="hyflash", window=6, pack=True):
+def _bf16_drafter(target, variant="hyflash", window=6, pack=True, **kw):
     torch.manual_seed(0)
     cfg = DrafterConfig(variant=variant, num_layers=2, block_size=4, window=window, hidden_size=128, num_heads=4,
                         num_kv_heads=2, head_dim=32, intermediate_size=256, memory_heads=2, memory_head_dim=16,
-                        memory_state_dim=16, vocab_size=64, target_hidden_size=128, target_layers=[0, 1])
+                        memory_state_dim=16, vocab_size=64, target_hidden_size=128, target_layers=[0, 1], **kw)
     drafter = new_drafter(cfg, target, dtype=torch.bfloat16).eval()
     with torch.no_grad():  # livelier than the zero-initialised defaults, so every branch matters
         for p in drafter.parameters():
@@ -171,10 +171,11 @@ def _bf16_drafter(target, variant="hyflash", window=6, pack=True):
     return drafter
 
 
-@pytest.mark.parametrize("variant", ["hyflash", "swa"])
+@pytest.mark.parametrize("variant", ["hyflash", "swa", "hyflash-floor"])  # floor: memory_long_heads
 def test_native_drafter_commits_and_drafts_as_the_torch_state(variant):
     target = bf16_llama(seed=2)
-    drafter = _bf16_drafter(target, variant)
+    floor = dict(memory_long_heads=1, memory_min_half_life=4.0) if variant == "hyflash-floor" else {}
+    drafter = _bf16_drafter(target, variant.split("-")[0], **floor)
     ids = torch.randint(1, 63, (40,), generator=torch.Generator().manual_seed(2))
     feats = target.forward(ids, target.new_cache(64)).features
     states = {}

@@ -69,7 +69,8 @@ inline float softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); 
 
 // glob: feature-norm weights fp32 [nf, Dt], fuse (packed), fuse_norm fp32 [d]
 // layers, 14 each: norm fp32, read, write, out, gate_up, down (packed), q_norm fp32, k_norm fp32, mlp_norm fp32,
-//                  conv weight bf16 [C, K], conv bias bf16 [C], A fp32 [mH] (= -exp(A_log)), dt_bias fp32 [mH],
+//                  conv weight bf16 [C, K], conv bias bf16 [C], A fp32 [mH] (= -exp(A_log); a positive A[h] = ln 2 /
+//                  memory_min_half_life marks a head under the reach floor), dt_bias fp32 [mH],
 //                  memory norm fp32 [dv] (the last five empty without memory)
 void drafter_commit(torch::Tensor feats, std::vector<torch::Tensor> glob, std::vector<torch::Tensor> layers,
                     std::vector<torch::Tensor> win_k, std::vector<torch::Tensor> win_v,
@@ -119,16 +120,18 @@ void drafter_commit(torch::Tensor feats, std::vector<torch::Tensor> glob, std::v
         act[t * g.C + ch] = silu_bf16(acc);
       }
     std::memcpy(st, &padded[T * g.C], (g.K - 1) * g.C * sizeof(bf16));
-    // Mamba-2: dt = softplus(gate + dt_bias), v = x * bf16(dt) (bf16), k shared by the heads, S <- exp(A dt) S + k vᵀ
+    // Mamba-2: dt = softplus(gate + dt_bias), v = x * bf16(dt) (bf16), k shared by the heads, S <- exp(A dt) S + k vᵀ;
+    // a head under the reach floor (A[h] > 0: DrafterConfig.memory_long_heads) decays by exp(-A[h] sigmoid(gate + dt_bias))
     const float* A = w[11].data_ptr<float>();
     const float* dtb = w[12].data_ptr<float>();
     float* S = mem[l].data_ptr<float>();
     for (int64_t t = 0; t < T; ++t) {
       const float* k = &act[t * g.C + g.mH * g.dv];
       for (int64_t h = 0; h < g.mH; ++h) {
-        const float dt = softplus(static_cast<float>(xk[t * row + g.C + h]) + dtb[h]);
+        const float pre = static_cast<float>(xk[t * row + g.C + h]) + dtb[h];
+        const float dt = softplus(pre);
         const float dtb16 = static_cast<float>(bf16(dt));
-        const float decay = std::exp(A[h] * dt);
+        const float decay = A[h] > 0.f ? std::exp(-A[h] / (1.f + std::exp(-pre))) : std::exp(A[h] * dt);
         float v[256];
         for (int64_t e = 0; e < g.dv; ++e) v[e] = static_cast<float>(bf16(act[t * g.C + h * g.dv + e] * dtb16));
         float* Sh = S + h * g.dk * g.dv;

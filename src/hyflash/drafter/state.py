@@ -97,8 +97,7 @@ class _NativeWeights:
         if (module is None or next(drafter.parameters()).dtype != torch.bfloat16 or cfg.attention_window is None
                 or cfg.head_dim % 32 or cfg.hidden_size % 16 or cfg.intermediate_size % 16
                 or (m is not None and (m.dv % 16 or m.dk > 256 or m.dv > 256))
-                or cfg.memory_limit is not None or cfg.memory_long_heads or not cfg.slot_attention
-                or cfg.causal_head_rank
+                or cfg.memory_limit is not None or not cfg.slot_attention or cfg.causal_head_rank
                 or (cfg.has_memory and cfg.memory != "mamba2") or head is None or head.amx is None
                 or any(lin.amx is None for lin in linears)):
             return None
@@ -114,6 +113,14 @@ class _NativeWeights:
         gather_on_huge_pages(ordered)
         return _NativeWeights(drafter, weights, module, fuse)
 
+    @staticmethod
+    def _decay_rates(m) -> torch.Tensor:
+        """A per memory head for the C++ commit: −exp(A_log), or +decay_cap for a head under the reach floor
+        (``memory_long_heads``: csrc/drafter.cpp decays it by exp(−cap · sigmoid(gate + dt_bias)))."""
+        a = -torch.exp(m.A_log.detach().float())
+        a[: m.long_heads] = m.decay_cap
+        return a.contiguous()
+
     def __init__(self, drafter, weights, module, fuse):
         cfg = drafter.config
         f32 = lambda t: t.detach().float().contiguous()  # noqa: E731
@@ -124,8 +131,7 @@ class _NativeWeights:
         for layer, w in zip(drafter.layers, weights):
             m = layer.memory
             memory = [m.conv.weight[:, 0].detach().contiguous(), m.conv.bias.detach().contiguous(),
-                      -torch.exp(m.A_log.detach().float()), f32(m.dt_bias), f32(m.norm.weight)] if m is not None \
-                else [none] * 5
+                      self._decay_rates(m), f32(m.dt_bias), f32(m.norm.weight)] if m is not None else [none] * 5
             self.layers += [f32(layer.norm.weight), w.read.amx, w.write.amx, w.out.amx, w.gate_up.amx, w.down.amx,
                             f32(layer.attn.q_norm.weight), f32(layer.attn.k_norm.weight), f32(layer.mlp_norm.weight),
                             *memory]
