@@ -23,7 +23,7 @@ import math
 import torch
 
 from common import machine_line
-from hyflash.drafter.model import HyFlashDrafter, from_pretrained
+from hyflash.drafter.model import HyFlashDrafter, from_pretrained, half_lives
 from hyflash.target import Target
 
 DISTANCES = [64, 256, 512, 1024, 2048]
@@ -48,15 +48,13 @@ def feature_sequences(args, target) -> list[torch.Tensor]:
     return out
 
 
-@torch.no_grad()
 def log_decays(drafter: HyFlashDrafter, feats: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """Per layer, per sequence: the memory's log-decays g [T, H] on these features."""
+    """Per layer, per sequence: the memory's log-decays g [T, H] on these features (``memory_log_decays``)."""
     out = [[] for _ in drafter.layers]
     for f in feats:
-        c = drafter.fuse_features(f[None].to(next(drafter.parameters()).dtype))
-        for i, layer in enumerate(drafter.layers):
-            if layer.memory is not None:
-                out[i].append(layer.memory.write_inputs(c)[2][0].float())
+        for i, g in enumerate(drafter.memory_log_decays(f[None].to(next(drafter.parameters()).dtype))):
+            if g is not None:
+                out[i].append(g[0])
     return out
 
 
@@ -64,7 +62,7 @@ def retention_table(gs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
     """Per head: half-life (ln 2 / median −g), median retention at each distance that fits, mean g."""
     H = gs[0].shape[1]
     g_all = torch.cat(gs)  # [ΣT, H]
-    table = {"half-life": math.log(2) / (-g_all).median(dim=0).values, "mean g": g_all.mean(dim=0)}
+    table = {"half-life": half_lives(g_all), "mean g": g_all.mean(dim=0)}
     for d in DISTANCES:
         parts = []
         for g in gs:

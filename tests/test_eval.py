@@ -317,6 +317,8 @@ def test_training_report_compares_runs_at_equal_steps_on_fake_logs(tmp_path):
                 for s, t in evals:
                     if s == step:
                         rec.update(val_tau=t, val_anchors=1536)
+                        if name == "hyflash" and s == 500:  # runs since 2026-12-02 log their memory's reach
+                            rec["val_half_life"] = [[12.3, 4690.0], [0.2, 819.0]]
                 f.write(json.dumps(rec) + "\n")
         dirs.append(d)
     text = build_training_report(dirs, tmp_path / "report", 500, "test", fake=True).read_text()
@@ -328,6 +330,7 @@ def test_training_report_compares_runs_at_equal_steps_on_fake_logs(tmp_path):
     assert row["depth1"][4] == "0.50"  # 3.6 s per fake step x 500 steps
     assert row["gdn"][0] == "memory gdn" and row["gdn"][2] == "not reached"
     assert float(row["depth1"][1][:-1]) < float(row["hyflash"][1][:-1]) < float(row["gdn"][1][:-1])
+    assert "- hyflash: layer 0: 4,690, 12; layer 1: 819, 0.2" in text and "- depth1:" not in text
     with pytest.raises(HyflashError, match="not a training run"):
         build_training_report([tmp_path], tmp_path / "x", 500, "test")
 

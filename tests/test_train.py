@@ -89,6 +89,23 @@ def test_loss_decreases_on_memorisable_fixture(target, store, tmp_path):
     assert all(0 <= r["data_s"] <= r["step_s"] for r in log)
 
 
+def test_validation_logs_how_far_each_memory_head_reaches(target, store, tmp_path):
+    """Each validation logs every memory head's median half-life on the held-out features (val_half_life, per
+    layer): the figure that shows a memory collapsing to short range while training; a floored head stays above its
+    floor."""
+    cfg = tiny_config(steps=3, eval_every=3, ckpt_every=3,
+                      drafter={**DRAFTER, "memory_long_heads": 1, "memory_min_half_life": 100.0})
+    train(cfg, tmp_path, target, store)
+    rec = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()][-1]
+    hl = rec["val_half_life"]
+    assert len(hl) == 2 and all(len(layer) == 2 for layer in hl)
+    assert all(layer[0] >= 100 for layer in hl) and all(0 < h for layer in hl for h in layer)
+    train(tiny_config(steps=3, eval_every=3, ckpt_every=3, drafter={**DRAFTER, "variant": "swa"}), tmp_path / "swa",
+          target, store)
+    rec = [json.loads(line) for line in (tmp_path / "swa" / "log.jsonl").read_text().splitlines()][-1]
+    assert "val_tau" in rec and "val_half_life" not in rec  # no memory, no figure
+
+
 # --------------------------------------------------------------------------------------------- resume
 @pytest.mark.parametrize("draft_vocab", [0, 12], ids=["full-vocab", "draft-vocab"])
 def test_killed_and_resumed_run_reaches_the_same_weights(target, store, tmp_path, draft_vocab):

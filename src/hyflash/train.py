@@ -43,7 +43,7 @@ from torch import nn
 
 from hyflash import HyflashError
 from hyflash.drafter.config import DrafterConfig
-from hyflash.drafter.model import HyFlashDrafter, new_drafter, save_pretrained
+from hyflash.drafter.model import HyFlashDrafter, half_lives, new_drafter, save_pretrained
 
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"  # the repository's recipes/ (src layout)
 CONFIG_NAME, LOG_NAME, CKPT_DIR = "train_config.json", "log.jsonl", "checkpoints"
@@ -642,8 +642,8 @@ def evaluate_many(drafters: list[HyFlashDrafter], store, val_idx, cfg: TrainConf
     """``evaluate`` for each drafter on the same held-out batches, each batch made (and an online store's target
     run) once for all of them."""
     S = cfg.drafter.block_size
-    sums = [dict(correct=torch.zeros(S), count=torch.zeros(S), prefix=0.0, prefix_sq=0.0, anchors=0, free=0.0)
-            for _ in drafters]  # sums on the CPU
+    sums = [dict(correct=torch.zeros(S), count=torch.zeros(S), prefix=0.0, prefix_sq=0.0, anchors=0, free=0.0,
+                 decays=[[] for _ in d.layers]) for d in drafters]  # sums on the CPU
     was_training = [d.training for d in drafters]
     for d in drafters:
         d.eval()
@@ -665,6 +665,11 @@ def evaluate_many(drafters: list[HyFlashDrafter], store, val_idx, cfg: TrainConf
             acc["anchors"] += int(real.sum())
             if drafter.draft_vocab is not None:  # as if every token outside the draft vocabulary was drafted right
                 acc["free"] += float(all_correct_prefix((hit | (b["targets"] < 0)) & b["mask"])[real].sum())
+            if drafter.config.has_memory:  # how fast its memory forgets, over the real (not padded) positions
+                real_pos = b["features"].abs().sum(-1) > 0
+                for layer_g, g in zip(acc["decays"], drafter.memory_log_decays(b["features"])):
+                    if g is not None:
+                        layer_g.append(g[real_pos].cpu())
     outs = []
     for drafter, training, acc in zip(drafters, was_training, sums):
         drafter.train(training)
@@ -675,6 +680,9 @@ def evaluate_many(drafters: list[HyFlashDrafter], store, val_idx, cfg: TrainConf
                "val_tau": round(1 + mean, 4), "val_tau_se": round(se, 4), "val_anchors": acc["anchors"]}
         if drafter.draft_vocab is not None:  # minus val_tau: at most what the reduced draft vocabulary costs it
             out["val_tau_vocab_free"] = round(1 + acc["free"] / n, 4)
+        if any(acc["decays"]):  # per layer, each memory head's median half-life in features (how far it can reach)
+            out["val_half_life"] = [[round(min(float(x), 1e9), 1) for x in half_lives(torch.cat(gs))]
+                                    for gs in acc["decays"] if gs]
         outs.append(out)
     return outs
 

@@ -308,6 +308,20 @@ class HyFlashDrafter(nn.Module):
     def num_parameters(self, trainable_only: bool = True) -> int:
         return sum(p.numel() for p in self.parameters() if p.requires_grad or not trainable_only)
 
+    @torch.no_grad()
+    def memory_log_decays(self, features: torch.Tensor) -> list[torch.Tensor | None]:
+        """Per layer, its memory's log-decays g [.., T, H] (fp32, ≤ 0) on target features [.., T, F]: a head
+        multiplies its state by exp(g_t) at each committed feature, so what it wrote d features back is kept scaled
+        by exp(g_{t+1} + … + g_{t+d}) whatever it reads (benchmarks/memory_horizon.py). None for a layer without
+        memory."""
+        c = self.fuse_features(features)
+        return [None if layer.memory is None else layer.memory.write_inputs(c)[2].float() for layer in self.layers]
+
+
+def half_lives(g: torch.Tensor) -> torch.Tensor:
+    """Per head, the median half-life in features of log-decays g [N, H]: ln 2 / median(−g)."""
+    return math.log(2) / (-g).median(dim=0).values.clamp_min(1e-12)
+
 
 # ------------------------------------------------------------------------------------------- checkpoints
 WEIGHTS_NAME, CONFIG_NAME = "model.safetensors", "config.json"

@@ -20,7 +20,8 @@ import torch
 from hyflash import HyflashError
 
 # drafter fields that make an ablation, in the order the table names them
-ABLATION_FIELDS = ("variant", "num_layers", "memory", "memory_limit", "slot_attention", "window")
+ABLATION_FIELDS = ("variant", "num_layers", "memory", "memory_limit", "slot_attention", "window", "memory_long_heads",
+                   "memory_min_half_life")
 
 
 def load_training_run(run_dir) -> tuple[dict, list[dict]]:
@@ -54,6 +55,7 @@ def run_row(name: str, cfg: dict, log: list[dict], step: int) -> dict:
             "params": trainable_parameters(cfg), "schedule_steps": cfg["steps"], "steps_run": log[-1]["step"] if log else 0,
             "val_tau": None if at is None else at["val_tau"], "val_anchors": None if at is None else at["val_anchors"],
             "val_tau_se": None if at is None else at.get("val_tau_se"),  # logged by runs since 2026-11-30
+            "half_life": None if at is None else at.get("val_half_life"),  # logged by runs since 2026-12-02
             "hours": None if at is None else at["elapsed"] / 3600,
             "last_step": None if last is None else last["step"], "last_val_tau": None if last is None else last["val_tau"],
             "curve": [(r["step"], r["val_tau"]) for r in evals],
@@ -97,6 +99,16 @@ def training_markdown(rows: list[dict], step: int, command: str, fake: bool = Fa
                      f"{last} |")
     lines += ["", f"Held-out anchors per evaluation: {sorted({r['val_anchors'] for r in rows if r['val_anchors']})}. "
               "Hours are each run's own training time (machines and load differ: not a speed comparison).", ""]
+    reach = [r for r in rows if r.get("half_life")]
+    if reach:  # runs that log it: how far each memory head reaches at that step
+        lines += [f"Memory reach at step {step}: each layer's memory heads by median half-life on the held-out features "
+                  "(features; a write keeps half after that many), longest first:", ""]
+        for r in reach:
+            layers = "; ".join(f"layer {i}: " + ", ".join(f"{h:,.0f}" if h >= 10 else f"{h:.1f}"
+                                                          for h in sorted(layer, reverse=True))
+                               for i, layer in enumerate(r["half_life"]))
+            lines.append(f"- {r['name']}: {layers}")
+        lines.append("")
     return "\n".join(lines)
 
 
