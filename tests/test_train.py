@@ -463,7 +463,8 @@ def test_gemma3_mem512_ablation_differs_from_hyflash_in_the_memory_limit_only():
     assert {**vars(limited), "drafter": None, "_comment": None} == {**vars(plain), "drafter": None, "_comment": None}
 
 
-@pytest.mark.parametrize("name, change", [("gdn", {"memory": "gdn"}), ("depth1", {"num_layers": 1}), ("depth3", {"num_layers": 3})])
+@pytest.mark.parametrize("name, change", [("gdn", {"memory": "gdn"}), ("depth1", {"num_layers": 1}), ("depth3", {"num_layers": 3}),
+                                          ("floor", {"memory_long_heads": 4, "memory_min_half_life": 8192.0})])
 def test_gemma3_memory_and_depth_ablations_differ_from_hyflash_in_one_drafter_field(name, change):
     from hyflash.train import check_shareable
 
