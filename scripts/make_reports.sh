@@ -21,6 +21,7 @@ hyflash report $R/gemma3-mem512-distant --out reports/gemma3-mem512-distant
 hyflash report $R/gemma3-gdn-depth1-distant --out reports/gemma3-gdn-depth1-distant
 hyflash report $R/gemma3-gdn-depth1-distant $R/gemma3-depth3-distant --out reports/gemma3-depth-distant
 hyflash report $R/gemma3-cpp-attention-ngram --out reports/gemma3-cpp-attention-ngram
+hyflash report $R/gemma3-floor-distant --out reports/gemma3-floor-distant
 python benchmarks/compare_eval_runs.py $R/gemma3-gpu-long $R/gemma3-cpp-attention-ngram \
     > $R/gemma3-cpp-attention-ngram/compare_with_gemma3-gpu-long.txt
 
@@ -39,4 +40,6 @@ hyflash training-report $G/stage1/hyflash $G/stage1/full $G/stage1/swa $G/stage1
     --out reports/gemma3-gpu-training
 hyflash training-report $G/stage2/hyflash $G/stage2/full $G/stage2/swa $G/stage2/noslot --at-step 115 \
     --out reports/gemma3-gpu-training-stage2
+G=$R/gemma3-floor-cpu
+hyflash training-report $G/hyflash $G/floor --at-step 400 --out reports/gemma3-floor-cpu
 echo "make_reports: every report rebuilt from reports/runs/"
