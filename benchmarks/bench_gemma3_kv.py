@@ -19,7 +19,7 @@ from hyflash.target import Target
 
 
 def mb(n: int) -> str:
-    return f"{n / 2**20:7.1f} MB"
+    return f"{n / 2**20:7.1f} MiB"
 
 
 def main():
