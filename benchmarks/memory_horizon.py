@@ -23,7 +23,8 @@ import math
 import torch
 
 from common import machine_line
-from hyflash.drafter.model import HyFlashDrafter, from_pretrained, half_lives
+from hyflash.drafter.config import DrafterConfig
+from hyflash.drafter.model import HyFlashDrafter, from_pretrained, half_lives, new_drafter
 from hyflash.target import Target
 
 DISTANCES = [64, 256, 512, 1024, 2048]
@@ -79,10 +80,8 @@ def bias_only(layer) -> torch.Tensor:
     """The log-decay a head's gate gives when the feature-dependent part is zero: −exp(A_log)·softplus(dt_bias), or
     −c·sigmoid(dt_bias) for the heads under a reach floor (``memory_long_heads``)."""
     m = layer.memory
-    g = -torch.exp(m.A_log.float()) * torch.nn.functional.softplus(m.dt_bias.float())
-    n = m.long_heads
-    g[:n] = -m.decay_cap * torch.sigmoid(m.dt_bias.float()[:n])
-    return g.detach()
+    pre = m.dt_bias.detach().float()
+    return m._floor(-torch.exp(m.A_log.detach().float()) * torch.nn.functional.softplus(pre), pre)
 
 
 def fmt(x: float) -> str:
@@ -110,8 +109,7 @@ def main():
     drafter = from_pretrained(args.drafter, target, dtype=torch.float32).eval()
     cfg = drafter.config
     target.feature_layers = list(cfg.target_layers)
-    fresh = HyFlashDrafter(cfg, target.model.get_input_embeddings().weight, target.model.get_output_embeddings().weight)
-    fresh.eval()
+    fresh = new_drafter(DrafterConfig.from_dict(cfg.to_dict()), target, torch.float32).eval()
     feats = feature_sequences(args, target)
     print(machine_line())
     print(f"# drafter {args.drafter}: {cfg.variant}, {cfg.memory} memory, {len(drafter.layers)} layers x "
