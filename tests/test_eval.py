@@ -335,6 +335,30 @@ def test_training_report_compares_runs_at_equal_steps_on_fake_logs(tmp_path):
         build_training_report([tmp_path], tmp_path / "x", 500, "test")
 
 
+
+def test_training_report_gives_each_data_store_apart_on_fake_logs(tmp_path):
+    """FAKE NUMBERS: runs on two stores log each store's held-out τ̂ (val_tau_parts, in the recipe's data order); the
+    report tables them under the stores' names at the asked step, and a run without them says so."""
+    from hyflash.evaluation.training import build_training_report
+    from hyflash.train import load_recipe
+
+    runs = {"hyflash": ("smollm2-copy-hyflash", [0.1, 0.2]), "swa": ("smollm2-copy-swa", [0.3, 0.4]),
+            "plain": ("smollm2-hyflash", None)}
+    dirs = []
+    for name, (recipe, parts) in runs.items():
+        d = tmp_path / name
+        d.mkdir()
+        load_recipe(recipe).save(d / "train_config.json")
+        rec = {"step": 100, "loss": 1.0, "elapsed": 60.0, "val_tau": 1.5, "val_anchors": 64}
+        if parts:
+            rec["val_tau_parts"] = [1 + x for x in parts]
+        (d / "log.jsonl").write_text(json.dumps(rec) + "\n")
+        dirs.append(d)
+    text = build_training_report(dirs, tmp_path / "report", 100, "test", fake=True).read_text()
+    assert "| run | `near` | `far` |" in text
+    assert "| hyflash | 1.100 | 1.200 |" in text and "| swa | 1.300 | 1.400 |" in text
+    assert "| plain | not logged | not logged |" in text
+
 class _BaseModel:
     """The SmolLM2 tokenizer with its chat template taken away: a base model, as Gemma 3 270M is."""
 

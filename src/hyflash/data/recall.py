@@ -41,13 +41,17 @@ from hyflash.data.split import write_json
 
 
 def recall_sequence(ids: list[int], rng: np.random.Generator, max_len: int = 2048, copy_len: tuple = (32, 96),
-                    gap: tuple = (96, 384), near_max: int = 224, far_min: int = 320) -> tuple[list[int], list]:
+                    gap: tuple = (96, 384), near_max: int = 224, far_min: int = 320,
+                    far_fraction: float = 0.5) -> tuple[list[int], list]:
     """(ids, spans): ``ids`` (a base sequence) with passages of what came before copied forward.
 
     The output starts with a stretch of base text; then, while room is left: a copy of L tokens (L uniform in
     ``copy_len``) of the output so far, from ``d`` tokens back (near: L < d ≤ near_max; far: d ≥ far_min, as far
     back as the output reaches), followed by the next ``gap`` tokens of base text. A copy's span is its own
-    positions. Far copies fall back to near ones until the output is long enough."""
+    positions. A copy is far with probability ``far_fraction``; far copies fall back to near ones until the output
+    is long enough, except when ``far_fraction`` is 1 (far copies only), where base text comes instead."""
+    if not 0.0 <= far_fraction <= 1.0:
+        raise HyflashError(f"far_fraction must lie in [0, 1], got {far_fraction}")
     lo, hi = copy_len
     out = list(ids[:int(rng.integers(far_min, 2 * far_min))])
     pos, spans = len(out), []
@@ -55,13 +59,17 @@ def recall_sequence(ids: list[int], rng: np.random.Generator, max_len: int = 204
         L = int(rng.integers(lo, hi + 1))
         if len(out) + L > max_len:
             break
-        if rng.random() < 0.5 and len(out) >= far_min + L:
+        far = rng.random() < far_fraction
+        if far and len(out) >= far_min + L:
             d = int(rng.integers(far_min + L, len(out) + 1))  # the whole source lies past the window
-        else:
+        elif far_fraction < 1.0:
             d = int(rng.integers(L + 1, min(near_max, len(out)) + 1))
-        src = len(out) - d
-        spans.append([len(out), len(out) + L])
-        out += out[src:src + L]
+        else:
+            d = 0  # far copies only, and none fits yet: base text instead
+        if d:
+            src = len(out) - d
+            spans.append([len(out), len(out) + L])
+            out += out[src:src + L]
         step = int(rng.integers(gap[0], gap[1] + 1))
         out += ids[pos:pos + step]
         pos += step
@@ -134,6 +142,8 @@ def main(argv=None) -> int:
     p.add_argument("--min-len", type=int, default=1536, help="base sequences shorter than this are not used")
     p.add_argument("--recipe", default=None, help="skip the sequences this recipe holds out for validation")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--far-fraction", type=float, default=0.5,
+                   help="share of copies whose source lies past the window (0: near copies only, 1: far only)")
     p.add_argument("--check-features", metavar="DIR", default=None,
                    help="build nothing: report how often the target continues the copies of a recall feature store")
     args = p.parse_args(argv)
@@ -147,7 +157,8 @@ def main(argv=None) -> int:
     if not (args.sequences and args.out):
         p.error("--sequences and --out are required (unless --check-features)")
     try:
-        meta = build_recall(args.sequences, args.out, args.count, args.min_len, args.recipe, args.seed)
+        meta = build_recall(args.sequences, args.out, args.count, args.min_len, args.recipe, args.seed,
+                            far_fraction=args.far_fraction)
     except HyflashError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -6,7 +6,9 @@ Each RUN_DIR is a ``hyflash train`` output (its ``train_config.json`` and ``log.
 so the two files can be copied next to the report). For every run the table gives what its recipe changes, its
 trainable parameters, and the held-out τ̂ (1 + mean accepted prefix of argmax drafts on the same held-out anchors,
 ``hyflash.train.evaluate``) at the chosen step of the same schedule, so runs stopped early compare at equal budget.
-Writes REPORT.md and, with matplotlib, val_tau_vs_step.png and val_tau_vs_depth.png.
+Runs trained on several data stores also get each store's held-out τ̂ apart (a table, and
+val_tau_by_store_vs_step.png). Writes REPORT.md and, with matplotlib, val_tau_vs_step.png and
+val_tau_vs_depth.png.
 """
 
 from __future__ import annotations
@@ -59,8 +61,37 @@ def run_row(name: str, cfg: dict, log: list[dict], step: int) -> dict:
             "hours": None if at is None else at["elapsed"] / 3600,
             "last_step": None if last is None else last["step"], "last_val_tau": None if last is None else last["val_tau"],
             "curve": [(r["step"], r["val_tau"]) for r in evals],
+            # a run on several stores logs each store's held-out τ̂ apart (train.py: val_tau_parts, in data order)
+            "stores": store_names(cfg.get("data")), "parts": None if at is None else at.get("val_tau_parts"),
+            "parts_curve": [(r["step"], r["val_tau_parts"]) for r in evals if r.get("val_tau_parts")],
             "recipe": {k: cfg[k] for k in ("data", "seq_len", "batch_seqs", "anchors_per_seq", "lr", "seed",
                                            "kl_weight", "draft_vocab") if k in cfg}}
+
+
+def store_names(data) -> list[str]:
+    """Short names of a recipe's data stores: each path's last part, or its last two where those clash."""
+    paths = [data] if isinstance(data, str) else list(data or [])
+    names = [Path(d).name for d in paths]
+    if len(set(names)) < len(names):
+        names = ["/".join(Path(d).parts[-2:]) for d in paths]
+    return names
+
+
+def _stores_table(rows: list[dict], step: int) -> list[str]:
+    """Held-out τ̂ on each data store apart, for runs trained on several (empty when none logs it)."""
+    split = [r for r in rows if r.get("parts")]
+    if not split:
+        return []
+    names = split[0]["stores"]
+    lines = [f"Held-out τ̂ on each data store apart at step {step} (each store holds out its own sequences):", "",
+             "| run | " + " | ".join(f"`{n}`" for n in names) + " |", "|---|" + "---|" * len(names)]
+    for r in rows:
+        if r.get("parts") and r["stores"] == names:
+            cells = ["–" if t is None else f"{t:.3f}" for t in r["parts"]]
+        else:
+            cells = ["not logged" if not r.get("parts") else "other stores"] * len(names)
+        lines.append(f"| {r['name']} | " + " | ".join(cells) + " |")
+    return lines + [""]
 
 
 def _differs(row: dict, base: dict | None) -> str:
@@ -99,6 +130,7 @@ def training_markdown(rows: list[dict], step: int, command: str, fake: bool = Fa
                      f"{last} |")
     lines += ["", f"Held-out anchors per evaluation: {sorted({r['val_anchors'] for r in rows if r['val_anchors']})}. "
               "Hours are each run's own training time (machines and load differ: not a speed comparison).", ""]
+    lines += _stores_table(rows, step)
     reach = [r for r in rows if r.get("half_life")]
     if reach:  # runs that log it: how far each memory head reaches at that step
         lines += [f"Memory reach at step {step}: each layer's memory heads by median half-life on the held-out features "
@@ -135,6 +167,26 @@ def _plots(rows: list[dict], step: int, out: Path) -> list[Path]:
     fig.savefig(out / "val_tau_vs_step.png", dpi=120)
     plt.close(fig)
     made.append(out / "val_tau_vs_step.png")
+    split = [r for r in rows if r["parts_curve"]]
+    if split:  # one panel per data store: held-out τ̂ on that store against steps
+        names = split[0]["stores"]
+        fig, axes = plt.subplots(1, len(names), figsize=(3.2 * len(names) + 0.5, 3.6), sharey=True, squeeze=False)
+        for j, (name, ax) in enumerate(zip(names, axes[0])):
+            for r in split:
+                if r["stores"] == names:
+                    pts = [(st, parts[j]) for st, parts in r["parts_curve"] if parts[j] is not None]
+                    if pts:
+                        ax.plot(*zip(*pts), marker="o", ms=3, label=r["name"])
+            ax.axvline(step, color="grey", lw=0.8, ls="--")
+            ax.set_title(name, fontsize=9)
+            ax.set_xlabel("training step")
+            ax.grid(alpha=0.3)
+        axes[0][0].set_ylabel("held-out τ̂ on the store")
+        axes[0][-1].legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / "val_tau_by_store_vs_step.png", dpi=120)
+        plt.close(fig)
+        made.append(out / "val_tau_by_store_vs_step.png")
     depth = {}  # variant -> {layers: τ̂}, for runs that change nothing but the layer count
     for r in rows:
         plain = r["memory_limit"] is None and r["slot_attention"] is not False and r["memory"] == "mamba2"
