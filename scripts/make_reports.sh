@@ -42,4 +42,6 @@ hyflash training-report $G/stage2/hyflash $G/stage2/full $G/stage2/swa $G/stage2
     --out reports/gemma3-gpu-training-stage2
 G=$R/gemma3-floor-cpu
 hyflash training-report $G/hyflash $G/floor --at-step 400 --out reports/gemma3-floor-cpu
+G=$R/smollm2-copy
+hyflash training-report $G/hyflash $G/noslot $G/swa $G/gdn --at-step 400 --out reports/smollm2-copy
 echo "make_reports: every report rebuilt from reports/runs/"

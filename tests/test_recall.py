@@ -102,3 +102,18 @@ def test_copy_follow_rate_counts_where_the_targets_token_continues_the_copy():
     labels = np.array([0, 0, 0, 0, 6, 7, 0, 0, 0])  # continues the copy [4, 8) at 4 and 5, not at 6
     rate, n, by_off = copy_follow_rate([{"input_ids": ids, "labels": labels, "spans": [[4, 8]]}], by_offset=3)
     assert n == 3 and rate == pytest.approx(2 / 3) and by_off == [1.0, 1.0, 0.0]
+
+
+def test_the_copy_recipes_differ_only_in_the_drafter():
+    """Equal budgets: the four copy-only recipes share data, schedule and seed; each drafter differs from HyFlash's
+    in its one ablation field (the sliding window also in its MLP width, which matches parameters)."""
+    from hyflash.train import load_recipe
+
+    r = {v: load_recipe(f"smollm2-copy-{v}").to_dict() for v in ("hyflash", "noslot", "swa", "gdn")}
+    rest = {v: {k: x for k, x in d.items() if k not in ("drafter", "_comment")} for v, d in r.items()}
+    assert all(x == rest["hyflash"] for x in rest.values())
+    assert rest["hyflash"]["data"] == ["data/copy/feat/near", "data/copy/feat/far"]
+    base = r["hyflash"]["drafter"]
+    diff = {v: {k for k in base if d["drafter"][k] != base[k]} for v, d in r.items()}
+    assert diff == {"hyflash": set(), "noslot": {"slot_attention"}, "swa": {"variant", "intermediate_size"},
+                    "gdn": {"memory"}}
