@@ -86,7 +86,7 @@ def _stores_table(rows: list[dict], step: int) -> list[str]:
     lines = [f"Held-out τ̂ on each data store apart at step {step} (each store holds out its own sequences):", "",
              "| run | " + " | ".join(f"`{n}`" for n in names) + " |", "|---|" + "---|" * len(names)]
     for r in rows:
-        if r.get("parts") and r["stores"] == names:
+        if r.get("parts") and r["stores"] == names and len(r["parts"]) == len(names):
             cells = ["–" if t is None else f"{t:.3f}" for t in r["parts"]]
         else:
             cells = ["not logged" if not r.get("parts") else "other stores"] * len(names)
@@ -174,7 +174,8 @@ def _plots(rows: list[dict], step: int, out: Path) -> list[Path]:
         for j, (name, ax) in enumerate(zip(names, axes[0])):
             for r in split:
                 if r["stores"] == names:
-                    pts = [(st, parts[j]) for st, parts in r["parts_curve"] if parts[j] is not None]
+                    pts = [(st, parts[j]) for st, parts in r["parts_curve"]
+                           if len(parts) == len(names) and parts[j] is not None]
                     if pts:
                         ax.plot(*zip(*pts), marker="o", ms=3, label=r["name"])
             ax.axvline(step, color="grey", lw=0.8, ls="--")
