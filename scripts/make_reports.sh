@@ -22,6 +22,7 @@ hyflash report $R/gemma3-gdn-depth1-distant --out reports/gemma3-gdn-depth1-dist
 hyflash report $R/gemma3-gdn-depth1-distant $R/gemma3-depth3-distant --out reports/gemma3-depth-distant
 hyflash report $R/gemma3-cpp-attention-ngram --out reports/gemma3-cpp-attention-ngram
 hyflash report $R/gemma3-floor-distant --out reports/gemma3-floor-distant
+hyflash report $R/smollm2-copy-probe --out reports/smollm2-copy-probe
 python benchmarks/compare_eval_runs.py $R/gemma3-gpu-long $R/gemma3-cpp-attention-ngram \
     > $R/gemma3-cpp-attention-ngram/compare_with_gemma3-gpu-long.txt
 
