@@ -335,7 +335,6 @@ def test_training_report_compares_runs_at_equal_steps_on_fake_logs(tmp_path):
         build_training_report([tmp_path], tmp_path / "x", 500, "test")
 
 
-
 def test_training_report_gives_each_data_store_apart_on_fake_logs(tmp_path):
     """FAKE NUMBERS: runs on two stores log each store's held-out τ̂ (val_tau_parts, in the recipe's data order); the
     report tables them under the stores' names at the asked step, and a run without them says so."""
@@ -358,6 +357,7 @@ def test_training_report_gives_each_data_store_apart_on_fake_logs(tmp_path):
     assert "| run | `near` | `far` |" in text
     assert "| hyflash | 1.100 | 1.200 |" in text and "| swa | 1.300 | 1.400 |" in text
     assert "| plain | not logged | not logged |" in text
+
 
 class _BaseModel:
     """The SmolLM2 tokenizer with its chat template taken away: a base model, as Gemma 3 270M is."""

@@ -30,7 +30,6 @@ def test_every_copy_repeats_an_earlier_passage_near_or_far():
     assert near and far
 
 
-
 @pytest.mark.parametrize("far_fraction", [0.0, 1.0])
 def test_far_fraction_gives_stores_of_near_or_far_copies_only(far_fraction):
     """--far-fraction 0 / 1: every copy's source lies within near_max / at least far_min + its length back (a
@@ -44,6 +43,7 @@ def test_far_fraction_gives_stores_of_near_or_far_copies_only(far_fraction):
             assert (d >= 320 + (e - s)) if far_fraction == 1.0 else (d <= 224), (far_fraction, s, e, d)
     with pytest.raises(HyflashError, match="far_fraction"):
         recall_sequence(base, np.random.default_rng(0), far_fraction=1.5)
+
 
 def test_recall_data_skips_the_recipes_held_out_sequences(tmp_path):
     seqs = [{"id": f"s{i}", "kind": "document", "ids": list(range(i * 3000, i * 3000 + 1600)), "spans": [[1, 1600]]}

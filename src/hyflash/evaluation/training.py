@@ -77,6 +77,11 @@ def store_names(data) -> list[str]:
     return names
 
 
+def _on_stores(row: dict, names: list[str], parts) -> bool:
+    """Whether ``parts`` (one logged val_tau_parts) of ``row`` are τ̂ values on exactly the stores ``names``."""
+    return bool(parts) and row["stores"] == names and len(parts) == len(names)
+
+
 def _stores_table(rows: list[dict], step: int) -> list[str]:
     """Held-out τ̂ on each data store apart, for runs trained on several (empty when none logs it)."""
     split = [r for r in rows if r.get("parts")]
@@ -86,7 +91,7 @@ def _stores_table(rows: list[dict], step: int) -> list[str]:
     lines = [f"Held-out τ̂ on each data store apart at step {step} (each store holds out its own sequences):", "",
              "| run | " + " | ".join(f"`{n}`" for n in names) + " |", "|---|" + "---|" * len(names)]
     for r in rows:
-        if r.get("parts") and r["stores"] == names and len(r["parts"]) == len(names):
+        if _on_stores(r, names, r.get("parts")):
             cells = ["–" if t is None else f"{t:.3f}" for t in r["parts"]]
         else:
             cells = ["not logged" if not r.get("parts") else "other stores"] * len(names)
@@ -173,11 +178,10 @@ def _plots(rows: list[dict], step: int, out: Path) -> list[Path]:
         fig, axes = plt.subplots(1, len(names), figsize=(3.2 * len(names) + 0.5, 3.6), sharey=True, squeeze=False)
         for j, (name, ax) in enumerate(zip(names, axes[0])):
             for r in split:
-                if r["stores"] == names:
-                    pts = [(st, parts[j]) for st, parts in r["parts_curve"]
-                           if len(parts) == len(names) and parts[j] is not None]
-                    if pts:
-                        ax.plot(*zip(*pts), marker="o", ms=3, label=r["name"])
+                pts = [(st, parts[j]) for st, parts in r["parts_curve"]
+                       if _on_stores(r, names, parts) and parts[j] is not None]
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", ms=3, label=r["name"])
             ax.axvline(step, color="grey", lw=0.8, ls="--")
             ax.set_title(name, fontsize=9)
             ax.set_xlabel("training step")
