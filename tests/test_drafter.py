@@ -30,6 +30,8 @@ VARIANTS = [
     dict(variant="hyflash", memory="mamba2", draft_vocab_size=20),
     dict(variant="hyflash", memory="mamba2", memory_long_heads=1, memory_min_half_life=100.0),
     dict(variant="hyflash", memory="gdn", memory_long_heads=1, memory_min_half_life=100.0),
+    dict(variant="hyflash", memory="mamba2", context_lags=3, context_lag_rank=4),
+    dict(variant="swa", context_lags=7, context_lag_rank=4),
 ]
 
 
@@ -37,7 +39,10 @@ def tiny_drafter(seed=0, **kw):
     torch.manual_seed(seed)
     cfg = DrafterConfig(**{**TINY, **kw})
     emb, head = torch.randn(cfg.vocab_size, cfg.hidden_size), torch.randn(cfg.vocab_size, cfg.hidden_size)
-    return HyFlashDrafter(cfg, emb, head).double()
+    d = HyFlashDrafter(cfg, emb, head).double()
+    if cfg.context_lags:  # zero-initialised; make it matter
+        torch.nn.init.normal_(d.lag_up.weight, std=0.3)
+    return d
 
 
 @pytest.mark.parametrize("kw", VARIANTS, ids=lambda kw: "-".join(f"{v}" for v in kw.values()))
@@ -81,6 +86,23 @@ def test_causal_head_training_matches_left_to_right_drafting():
     assert not torch.allclose(train[1:], without[1:])  # the bias changes slots after the first
 
 
+def test_lagged_context_features_start_as_none_and_see_only_the_past():
+    """Zero-initialised, the lags change nothing; trained, feature t reads features t−1..t−L and nothing later."""
+    d = tiny_drafter(context_lags=2, context_lag_rank=4)
+    feats = torch.randn(1, 10, 48, dtype=torch.float64)
+    c, state = d.committed(feats)
+    assert state.shape == (1, 2, 32) and torch.equal(state, d.fuse_features(feats)[:, -2:])
+    moved = feats.clone()
+    moved[0, 5] += 1.0
+    c2 = d.committed(moved)[0]
+    changed = (c2 - c).abs().amax(-1)[0] > 1e-9
+    assert changed.tolist() == [False] * 5 + [True] * 3 + [False] * 2  # positions 5 (itself), 6 and 7 (lags 1, 2)
+    torch.nn.init.zeros_(d.lag_up.weight)
+    torch.testing.assert_close(d.committed(feats)[0], d.fuse_features(feats), rtol=0, atol=0)
+    with pytest.raises(HyflashError, match="context_lags"):
+        DrafterConfig(**{**TINY, "context_lags": -1})
+
+
 def test_reading_memory_never_changes_the_state():
     d = tiny_drafter()
     state = DrafterState(d)
@@ -94,8 +116,8 @@ def test_reading_memory_never_changes_the_state():
     assert torch.equal(first, state.draft_hidden(3))
 
 
-def smollm2_geometry_drafter(variant):
-    cfg = DrafterConfig(variant=variant)  # SmolLM2-135M geometry, window 256
+def smollm2_geometry_drafter(variant, **kw):
+    cfg = DrafterConfig(variant=variant, **kw)  # SmolLM2-135M geometry, window 256
     emb = torch.randn(cfg.vocab_size, cfg.hidden_size) * 0.02
     return HyFlashDrafter(cfg, emb, emb).to(torch.bfloat16)
 
@@ -109,10 +131,13 @@ def state_bytes_at(drafter, context):
     return state.nbytes()
 
 
-@pytest.mark.parametrize("variant", ["hyflash", "swa", "full"])
+@pytest.mark.parametrize("variant", ["hyflash", "swa", "full", "hyflash-lags"])
 def test_drafter_state_bytes_bounded_except_full(variant):
-    d = smollm2_geometry_drafter(variant)
+    lags = variant.endswith("-lags")
+    d = smollm2_geometry_drafter(variant.removesuffix("-lags"), context_lags=7 if lags else 0)
     b1k, b6k = state_bytes_at(d, 1024), state_bytes_at(d, 6144)
+    if lags:  # the last 7 fused features on top of HyFlash's state
+        assert b1k - state_bytes_at(smollm2_geometry_drafter("hyflash"), 1024) == 7 * 576 * 2
     if variant == "full":
         per_feature = (b6k - b1k) / 5120
         assert per_feature == 2 * 2 * 3 * 64 * 2  # layers · (k, v) · kv heads · head_dim · bf16 bytes

@@ -117,3 +117,7 @@ def test_the_copy_recipes_differ_only_in_the_drafter():
     diff = {v: {k for k in base if d["drafter"][k] != base[k]} for v, d in r.items()}
     assert diff == {"hyflash": set(), "noslot": {"slot_attention"}, "swa": {"variant", "intermediate_size"},
                     "gdn": {"memory"}}
+    for v in ("hyflash", "noslot", "swa"):  # the lagged-context runs: the same recipe with lags 7 of rank 64 added
+        lags = load_recipe(f"smollm2-copy-{v}-lags").to_dict()
+        assert {k: x for k, x in lags.items() if k not in ("drafter", "_comment")} == rest["hyflash"]
+        assert lags["drafter"] == {**r[v]["drafter"], "context_lags": 7, "context_lag_rank": 64}

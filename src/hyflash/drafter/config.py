@@ -30,6 +30,13 @@ class DrafterConfig:
     memory_min_half_life: float = 2048.0
     slot_attention: bool = True  # draft slots attend to each other (bidirectionally)
     causal_head_rank: int = 0  # DSpark's intra-block causal head: low-rank bias from the previous slot's token
+    # lagged context features: each committed feature c_t also carries low-rank projections of c_{t-1} .. c_{t-L}
+    # (a zero-initialised mix, so the drafter starts as without it). Attention keys then say what came *before* a
+    # position, which copying needs: a slot finds where its anchor occurred before by matching the token l back
+    # (induction heads, Olsson et al. 2022; H3's shift SSM, Fu et al. 2023, gives its memory the same). Ours; not
+    # in the paper. The runtime keeps the last L features: constant memory.
+    context_lags: int = 0
+    context_lag_rank: int = 64
     draft_vocab_size: int = 0  # >0: the LM head covers only these most frequent target tokens (EAGLE-3's reduced
     #                            draft vocabulary); ids are mapped back to the target's, verification is unchanged
     # geometry
@@ -70,6 +77,8 @@ class DrafterConfig:
             raise HyflashError("num_heads must be a multiple of num_kv_heads")
         if not 0 <= self.memory_long_heads <= self.memory_heads:
             raise HyflashError(f"memory_long_heads must be between 0 and memory_heads ({self.memory_heads})")
+        if self.context_lags < 0 or (self.context_lags and self.context_lag_rank < 1):
+            raise HyflashError("context_lags must be >= 0 and context_lag_rank >= 1")
         if self.memory_min_half_life <= 0:
             raise HyflashError("memory_min_half_life must be > 0")
 

@@ -168,6 +168,10 @@ class HyFlashDrafter(nn.Module):
         self.feature_norms = nn.ModuleList(RMSNorm(cfg.target_hidden_size, cfg.rms_eps) for _ in range(n_feat))
         self.fuse = nn.Linear(n_feat * cfg.target_hidden_size, d, bias=False)
         self.fuse_norm = RMSNorm(d, cfg.rms_eps)
+        if cfg.context_lags:  # lagged context features (DrafterConfig.context_lags)
+            self.lag_down = nn.Linear(d, cfg.context_lag_rank, bias=False)
+            self.lag_up = nn.Linear(cfg.context_lags * cfg.context_lag_rank, d, bias=False)
+            nn.init.zeros_(self.lag_up.weight)
         self.mask_embedding = nn.Parameter(torch.randn(d) * 0.02)
         self.layers = nn.ModuleList(DrafterLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(d, cfg.rms_eps)
@@ -193,6 +197,26 @@ class HyFlashDrafter(nn.Module):
         w = torch.stack([n.weight for n in self.feature_norms]).to(xf.dtype)
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.feature_norms[0].eps) * w
         return self.fuse_norm(self.fuse(y.to(x.dtype).flatten(-2)))
+
+    def lag_state_shape(self) -> tuple[int, int]:
+        """The fused features the runtime keeps for the lagged context features: the last L (0 without them)."""
+        return (self.config.context_lags, self.config.hidden_size)
+
+    def committed(self, feats: torch.Tensor, lag_state: torch.Tensor | None = None):
+        """Target features [B, T, n_layers * D_t] of positions n..n+T−1 → (committed features [B, T, d] the layers
+        read, new lag state [B, L, d]). With lagged context features, c'_t = c_t + up([down(c_{t−1}); …;
+        down(c_{t−L})]), where ``lag_state`` holds c_{n−L}..c_{n−1} (zeros before position 0: None)."""
+        c = self.fuse_features(feats)
+        L = self.config.context_lags
+        if not L:
+            return c, c[:, :0]
+        B, T, d = c.shape
+        if lag_state is None:
+            lag_state = c.new_zeros(B, L, d)
+        stream = torch.cat([lag_state.to(c.dtype), c], dim=1)  # [B, L + T, d]: positions n−L .. n+T−1
+        low = self.lag_down(stream)  # [B, L + T, r]
+        lagged = torch.cat([low[:, L - l: L - l + T] for l in range(1, L + 1)], dim=-1)  # lag l: positions t − l
+        return c + self.lag_up(lagged), stream[:, -L:]
 
     def slot_inputs(self, anchor_ids: torch.Tensor) -> torch.Tensor:
         """anchor_ids [B, n] → slot inputs [B, n, S, d]: the anchor's embedding, then mask embeddings."""
@@ -283,7 +307,7 @@ class HyFlashDrafter(nn.Module):
         cfg, S = self.config, self.config.block_size
         B, T, _ = features.shape
         n = anchors.shape[1]
-        c = self.fuse_features(features)  # [B, T, d]
+        c = self.committed(features)[0]  # [B, T, d]
         ctx_pos = torch.arange(T, device=c.device)
         h = self.slot_inputs(torch.gather(input_ids, 1, anchors)).reshape(B, n * S, -1)
         slot_pos = (anchors[..., None] + torch.arange(S, device=c.device)).reshape(B, n * S)
@@ -314,7 +338,7 @@ class HyFlashDrafter(nn.Module):
         multiplies its state by exp(g_t) at each committed feature, so what it wrote d features back is kept scaled
         by exp(g_{t+1} + … + g_{t+d}) whatever it reads (benchmarks/memory_horizon.py). None for a layer without
         memory."""
-        c = self.fuse_features(features)
+        c = self.committed(features)[0]
         return [None if layer.memory is None else layer.memory.write_inputs(c)[2].float() for layer in self.layers]
 
 

@@ -86,7 +86,7 @@ def _runtime_weights(drafter: HyFlashDrafter) -> list[_LayerWeights]:
 class _NativeWeights:
     """The drafter's weights as our C++ commit and draft take them (csrc/drafter.cpp), for the configurations it
     covers: bf16 on a CPU with our AMX kernel, a ring window, Mamba-2 memory or none, the full memory, slot attention,
-    no causal head. ``build`` returns None for anything else (the torch path then runs)."""
+    no causal head, no lagged context features. ``build`` returns None for anything else (the torch path then runs)."""
 
     @staticmethod
     def build(drafter: HyFlashDrafter, weights: list[_LayerWeights]) -> "_NativeWeights | None":
@@ -97,7 +97,7 @@ class _NativeWeights:
         if (module is None or next(drafter.parameters()).dtype != torch.bfloat16 or cfg.attention_window is None
                 or cfg.head_dim % 32 or cfg.hidden_size % 16 or cfg.intermediate_size % 16
                 or (m is not None and (m.dv % 16 or m.dk > 256 or m.dv > 256))
-                or cfg.memory_limit is not None or not cfg.slot_attention or cfg.causal_head_rank
+                or cfg.memory_limit is not None or not cfg.slot_attention or cfg.causal_head_rank or cfg.context_lags
                 or (cfg.has_memory and cfg.memory != "mamba2") or head is None or head.amx is None
                 or any(lin.amx is None for lin in linears)):
             return None
@@ -167,6 +167,7 @@ class DrafterState:
         self.windows = [KVWindow(cfg.num_kv_heads, cfg.head_dim, cfg.attention_window, p.dtype, p.device)
                         for _ in drafter.layers]
         self.memories, self.convs, self.recent = [], [], []
+        self.lags = torch.zeros(1, *drafter.lag_state_shape(), dtype=p.dtype, device=p.device)  # context_lags
         for layer in drafter.layers:
             m = layer.memory
             if m is None:
@@ -185,7 +186,7 @@ class DrafterState:
         d = self.drafter
         if self.native is not None and 1 <= features.shape[0] <= 16 and not d.training:
             return self._native_commit(features)
-        c = d.fuse_features(features.to(self.device)[None])  # [1, n, d]
+        c, self.lags = d.committed(features.to(self.device)[None], self.lags)  # [1, n, d]
         cos, sin = rope_tables(torch.arange(self.n, self.n + c.shape[1], device=self.device), d.config.head_dim,
                                d.config.rope_theta, c.dtype)
         i = 0
@@ -302,6 +303,7 @@ class DrafterState:
         total = sum(w.nbytes() for w in self.windows)
         total += sum(s.numel() * s.element_size() for s in self.memories)
         total += sum(c.numel() * c.element_size() for c in self.convs)
+        total += self.lags.numel() * self.lags.element_size()
         for r in self.recent:
             if r is not None:
                 limit = self.drafter.config.memory_limit
