@@ -23,7 +23,7 @@ from hyflash import HyflashError
 
 # drafter fields that make an ablation, in the order the table names them
 ABLATION_FIELDS = ("variant", "num_layers", "memory", "memory_limit", "slot_attention", "window", "memory_long_heads",
-                   "memory_min_half_life")
+                   "memory_min_half_life", "context_lags")
 
 
 def load_training_run(run_dir) -> tuple[dict, list[dict]]:
@@ -194,7 +194,8 @@ def _plots(rows: list[dict], step: int, out: Path) -> list[Path]:
         made.append(out / "val_tau_by_store_vs_step.png")
     depth = {}  # variant -> {layers: τ̂}, for runs that change nothing but the layer count
     for r in rows:
-        plain = r["memory_limit"] is None and r["slot_attention"] is not False and r["memory"] == "mamba2"
+        plain = (r["memory_limit"] is None and r["slot_attention"] is not False and r["memory"] == "mamba2"
+                 and not r["context_lags"])
         if plain and r["val_tau"] is not None:
             depth.setdefault(r["variant"], {})[r["num_layers"]] = r["val_tau"]
     if any(len(v) > 1 for v in depth.values()):
