@@ -32,6 +32,7 @@ VARIANTS = [
     dict(variant="hyflash", memory="gdn", memory_long_heads=1, memory_min_half_life=100.0),
     dict(variant="hyflash", memory="mamba2", context_lags=3, context_lag_rank=4),
     dict(variant="swa", context_lags=7, context_lag_rank=4),
+    dict(variant="hyflash", memory="mamba2", context_lags=2, context_lag_rank=4, slot_embeddings=True),
 ]
 
 

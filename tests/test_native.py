@@ -171,11 +171,13 @@ def _bf16_drafter(target, variant="hyflash", window=6, pack=True, **kw):
     return drafter
 
 
-@pytest.mark.parametrize("variant", ["hyflash", "swa", "hyflash-floor"])  # floor: memory_long_heads
+@pytest.mark.parametrize("variant", ["hyflash", "swa", "hyflash-floor", "hyflash-slots"])
 def test_native_drafter_commits_and_drafts_as_the_torch_state(variant):
+    """floor: memory_long_heads; slots: slot_embeddings (each mask slot its own input)."""
     target = bf16_llama(seed=2)
-    floor = dict(memory_long_heads=1, memory_min_half_life=4.0) if variant == "hyflash-floor" else {}
-    drafter = _bf16_drafter(target, variant.split("-")[0], **floor)
+    extra = {"hyflash-floor": dict(memory_long_heads=1, memory_min_half_life=4.0),
+             "hyflash-slots": dict(slot_embeddings=True)}.get(variant, {})
+    drafter = _bf16_drafter(target, variant.split("-")[0], **extra)
     ids = torch.randint(1, 63, (40,), generator=torch.Generator().manual_seed(2))
     feats = target.forward(ids, target.new_cache(64)).features
     states = {}

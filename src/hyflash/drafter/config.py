@@ -37,6 +37,10 @@ class DrafterConfig:
     # in the paper. The runtime keeps the last L features: constant memory.
     context_lags: int = 0
     context_lag_rank: int = 64
+    # each mask slot its own learned input embedding instead of one shared mask embedding, so a slot knows which
+    # token of the block it drafts without working it out from positions (benchmarks/copy_toy.py: with one shared
+    # embedding, slots after the first never learned to copy). Ours; not in the paper.
+    slot_embeddings: bool = False
     draft_vocab_size: int = 0  # >0: the LM head covers only these most frequent target tokens (EAGLE-3's reduced
     #                            draft vocabulary); ids are mapped back to the target's, verification is unchanged
     # geometry

@@ -173,6 +173,8 @@ class HyFlashDrafter(nn.Module):
             self.lag_up = nn.Linear(cfg.context_lags * cfg.context_lag_rank, d, bias=False)
             nn.init.zeros_(self.lag_up.weight)
         self.mask_embedding = nn.Parameter(torch.randn(d) * 0.02)
+        if cfg.slot_embeddings:  # DrafterConfig.slot_embeddings: one more learned input per mask slot
+            self.slot_embedding = nn.Parameter(torch.randn(cfg.block_size - 1, d) * 0.02)
         self.layers = nn.ModuleList(DrafterLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(d, cfg.rms_eps)
         if cfg.causal_head_rank:
@@ -219,10 +221,13 @@ class HyFlashDrafter(nn.Module):
         return c + self.lag_up(lagged), stream[:, -L:]
 
     def slot_inputs(self, anchor_ids: torch.Tensor) -> torch.Tensor:
-        """anchor_ids [B, n] → slot inputs [B, n, S, d]: the anchor's embedding, then mask embeddings."""
+        """anchor_ids [B, n] → slot inputs [B, n, S, d]: the anchor's embedding, then mask embeddings (plus each
+        slot's own with ``slot_embeddings``)."""
         S, d = self.config.block_size, self.config.hidden_size
         anchor = F.embedding(anchor_ids, self.embed_weight).to(self.mask_embedding.dtype)  # [B, n, d]
         masks = self.mask_embedding.expand(*anchor_ids.shape, S - 1, d)
+        if self.config.slot_embeddings:
+            masks = masks + self.slot_embedding
         return torch.cat([anchor[..., None, :], masks], dim=-2)
 
     def set_draft_vocab(self, token_ids: torch.Tensor) -> None:
