@@ -47,8 +47,10 @@ TOY = dict(num_layers=2, block_size=4, window=64, hidden_size=64, num_heads=4, n
            target_hidden_size=64, target_layers=[0], context_lag_rank=32)
 
 
-def make_batch(n: int, task: str, g: torch.Generator, T: int = 192, L: int = 24, V: int = 512, window: int = 64):
-    """n sequences [n, T] of random tokens with one copy each, and the copy's [start, end) per sequence."""
+def make_batch(n: int, task: str, g: torch.Generator, L: int = 24, V: int = 512, window: int = 64):
+    """n sequences [n, T] of random tokens with one copy each, and the copy's [start, end) per sequence (T 192 for
+    near copies, 256 for far ones, whose source lies 96–183 tokens back)."""
+    T = 192 if task == "near" else 256
     ids = torch.randint(V, (n, T), generator=g)
     spans = []
     for i in range(n):

@@ -45,4 +45,7 @@ G=$R/gemma3-floor-cpu
 hyflash training-report $G/hyflash $G/floor --at-step 400 --out reports/gemma3-floor-cpu
 G=$R/smollm2-copy
 hyflash training-report $G/hyflash $G/noslot $G/swa $G/gdn --at-step 400 --out reports/smollm2-copy
+L=$R/smollm2-copy-lags
+hyflash training-report $G/hyflash $G/noslot $G/swa $L/hyflash-lags $L/noslot-lags $L/swa-lags --at-step 400 \
+    --out reports/smollm2-copy-lags
 echo "make_reports: every report rebuilt from reports/runs/"
