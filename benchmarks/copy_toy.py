@@ -41,6 +41,8 @@ VARIANTS = {
     "noslot-lags-slots": dict(variant="hyflash", context_lags=4, slot_embeddings=True, slot_attention=False),
     "swa-lags-slots": dict(variant="swa", context_lags=4, slot_embeddings=True),
     "mem-cut-lags-slots": dict(variant="hyflash", context_lags=4, slot_embeddings=True, memory_limit=64),
+    "hyflash-lags-slotq": dict(variant="hyflash", context_lags=4, slot_query_scales=True),
+    "hyflash-lags-slots-slotq": dict(variant="hyflash", context_lags=4, slot_embeddings=True, slot_query_scales=True),
 }
 TOY = dict(num_layers=2, block_size=4, window=64, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
            intermediate_size=128, memory_heads=4, memory_head_dim=16, memory_state_dim=16, vocab_size=512,

@@ -33,6 +33,7 @@ VARIANTS = [
     dict(variant="hyflash", memory="mamba2", context_lags=3, context_lag_rank=4),
     dict(variant="swa", context_lags=7, context_lag_rank=4),
     dict(variant="hyflash", memory="mamba2", context_lags=2, context_lag_rank=4, slot_embeddings=True),
+    dict(variant="hyflash", memory="mamba2", context_lags=2, context_lag_rank=4, slot_query_scales=True),
 ]
 
 
@@ -43,6 +44,9 @@ def tiny_drafter(seed=0, **kw):
     d = HyFlashDrafter(cfg, emb, head).double()
     if cfg.context_lags:  # zero-initialised; make it matter
         torch.nn.init.normal_(d.lag_up.weight, std=0.3)
+    if cfg.slot_query_scales:  # ones at the start; make each slot's differ
+        for layer in d.layers:
+            torch.nn.init.uniform_(layer.attn.slot_q_scale, 0.5, 1.5)
     return d
 
 

@@ -42,7 +42,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class LocalAttention(nn.Module):
-    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, theta: float, eps: float):
+    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, theta: float, eps: float,
+                 slots: int = 0):
         super().__init__()
         self.h, self.hkv, self.hd, self.theta = num_heads, num_kv_heads, head_dim, theta
         self.q_proj = nn.Linear(hidden, num_heads * head_dim, bias=False)
@@ -51,15 +52,23 @@ class LocalAttention(nn.Module):
         self.o_proj = nn.Linear(num_heads * head_dim, hidden, bias=False)
         self.q_norm = RMSNorm(head_dim, eps)
         self.k_norm = RMSNorm(head_dim, eps)
+        # DrafterConfig.slot_query_scales: slot j's queries are further scaled by slot_q_scale[j] (ones at the start)
+        self.slot_q_scale = nn.Parameter(torch.ones(slots, head_dim)) if slots else None
 
     def keys_values(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys (normed, rotated) and values of context features or slots. x [B, N, d] -> 2 x [B, Hkv, N, hd]."""
         return self.heads_kv(self.k_proj(x), self.v_proj(x), *rope_tables(positions, self.hd, self.theta, x.dtype))
 
     def heads_q(self, q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Query projections [B, Q, H·hd] → normed, rotated queries [B, H, Q, hd]."""
+        """Query projections [B, Q, H·hd] → normed, rotated queries [B, H, Q, hd]. With per-slot query scales, the Q
+        rows are whole blocks of slots 0..S−1 in order, or the first Q slots of one block."""
         B, Q, _ = q.shape
-        return apply_rope(self.q_norm(q.view(B, Q, self.h, self.hd)).transpose(1, 2), cos, sin)
+        q = self.q_norm(q.view(B, Q, self.h, self.hd))
+        if self.slot_q_scale is not None:
+            S = self.slot_q_scale.shape[0]
+            scale = self.slot_q_scale[:Q] if Q <= S else self.slot_q_scale.repeat(Q // S, 1)
+            q = q * scale[:, None, :].to(q.dtype)
+        return apply_rope(q.transpose(1, 2), cos, sin)
 
     def heads_kv(self, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Key/value projections [B, N, Hkv·hd] → normed, rotated keys and values, 2 x [B, Hkv, N, hd]."""

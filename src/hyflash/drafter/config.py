@@ -41,6 +41,11 @@ class DrafterConfig:
     # token of the block it drafts without working it out from positions (benchmarks/copy_toy.py: with one shared
     # embedding, slots after the first never learned to copy). Ours; not in the paper.
     slot_embeddings: bool = False
+    # each slot its own query-norm weights in every layer (a per-slot elementwise scale of its attention queries), so a
+    # slot can ask for a different part of the keys than its neighbours with the same content, e.g. the token j + 1
+    # back for slot j when copying with context_lags (a sum of content and slot embeddings cannot: that needs a
+    # product). Ours; not in the paper.
+    slot_query_scales: bool = False
     draft_vocab_size: int = 0  # >0: the LM head covers only these most frequent target tokens (EAGLE-3's reduced
     #                            draft vocabulary); ids are mapped back to the target's, verification is unchanged
     # geometry

@@ -141,7 +141,7 @@ class DrafterLayer(nn.Module):
         super().__init__()
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.attn = LocalAttention(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                   cfg.rope_theta, cfg.rms_eps)
+                                   cfg.rope_theta, cfg.rms_eps, cfg.block_size if cfg.slot_query_scales else 0)
         self.memory = MemoryBranch(cfg) if cfg.has_memory else None
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)

@@ -86,7 +86,8 @@ def _runtime_weights(drafter: HyFlashDrafter) -> list[_LayerWeights]:
 class _NativeWeights:
     """The drafter's weights as our C++ commit and draft take them (csrc/drafter.cpp), for the configurations it
     covers: bf16 on a CPU with our AMX kernel, a ring window, Mamba-2 memory or none, the full memory, slot attention,
-    no causal head, no lagged context features. ``build`` returns None for anything else (the torch path then runs)."""
+    no causal head, no lagged context features, no per-slot query scales. ``build`` returns None for anything else
+    (the torch path then runs)."""
 
     @staticmethod
     def build(drafter: HyFlashDrafter, weights: list[_LayerWeights]) -> "_NativeWeights | None":
@@ -98,6 +99,7 @@ class _NativeWeights:
                 or cfg.head_dim % 32 or cfg.hidden_size % 16 or cfg.intermediate_size % 16
                 or (m is not None and (m.dv % 16 or m.dk > 256 or m.dv > 256))
                 or cfg.memory_limit is not None or not cfg.slot_attention or cfg.causal_head_rank or cfg.context_lags
+                or cfg.slot_query_scales
                 or (cfg.has_memory and cfg.memory != "mamba2") or head is None or head.amx is None
                 or any(lin.amx is None for lin in linears)):
             return None
