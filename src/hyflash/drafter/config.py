@@ -38,13 +38,13 @@ class DrafterConfig:
     context_lags: int = 0
     context_lag_rank: int = 64
     # each mask slot its own learned input embedding instead of one shared mask embedding, so a slot knows which
-    # token of the block it drafts without working it out from positions (benchmarks/copy_toy.py: with one shared
-    # embedding, slots after the first never learned to copy). Ours; not in the paper.
+    # token of the block it drafts without working it out from positions. Ours; not in the paper. Not shown to help:
+    # in benchmarks/copy_toy.py slots after the first never learned to copy, with it or without.
     slot_embeddings: bool = False
     # each slot its own query-norm weights in every layer (a per-slot elementwise scale of its attention queries), so a
     # slot can ask for a different part of the keys than its neighbours with the same content, e.g. the token j + 1
     # back for slot j when copying with context_lags (a sum of content and slot embeddings cannot: that needs a
-    # product). Ours; not in the paper.
+    # product). Ours; not in the paper. Not shown to help either (benchmarks/copy_toy.py, reports/README.md).
     slot_query_scales: bool = False
     draft_vocab_size: int = 0  # >0: the LM head covers only these most frequent target tokens (EAGLE-3's reduced
     #                            draft vocabulary); ids are mapped back to the target's, verification is unchanged
