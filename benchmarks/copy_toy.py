@@ -1,4 +1,4 @@
-"""Can the drafter learn to copy at all? A toy where copying is the only thing to learn, small enough for minutes of CPU.
+"""Can the drafter learn to copy at all? A toy where copying is all there is to learn, in minutes of CPU.
 
 Sequences of uniformly random tokens (512 of them) hold one passage of 24 tokens copied from ``d`` tokens earlier:
 *near* (the source inside the drafter's window) or *far* (the whole source further back than the window, where only
