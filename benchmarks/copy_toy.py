@@ -96,6 +96,7 @@ def main():
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eval-every", type=int, default=250)
+    ap.add_argument("--layers", type=int, default=TOY["num_layers"], help="drafter layers (chaining a fetch needs depth)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     names = args.variants.split(",")
@@ -107,13 +108,13 @@ def main():
     models, opts = {}, {}
     for v in names:
         torch.manual_seed(args.seed + 1)
-        models[v] = HyFlashDrafter(DrafterConfig(**{**TOY, **VARIANTS[v]}), emb, emb)
+        models[v] = HyFlashDrafter(DrafterConfig(**{**TOY, **VARIANTS[v], "num_layers": args.layers}), emb, emb)
         opts[v] = torch.optim.AdamW(models[v].parameters(), lr=args.lr, weight_decay=0.01)
     S = TOY["block_size"]
     g_val = torch.Generator().manual_seed(10_000 + args.seed)
     val_ids, val_spans = make_batch(256, args.task, g_val)
     val_anchors, val_labels, val_mask = anchors_and_targets(val_ids, val_spans, args.anchors, S, g_val)
-    print(f"{machine_line()} | copy toy, task {args.task}: {args.steps} steps x {args.batch} sequences x "
+    print(f"{machine_line()} | copy toy, task {args.task}, {args.layers} layers: {args.steps} steps x {args.batch} sequences x "
           f"{args.anchors} anchors, lr {args.lr}, seed {args.seed}; held-out: 256 sequences, "
           f"{int(val_mask[..., 0].sum())} anchors")
     print("# step " + " ".join(f"{v:>13}" for v in names) + "   (held-out τ̂; block of 4, so at most 5)")
