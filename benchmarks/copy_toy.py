@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from common import machine_line
 from hyflash.drafter.config import DrafterConfig
 from hyflash.drafter.model import HyFlashDrafter
+from hyflash.train import accepted_prefix
 
 # name -> DrafterConfig fields on top of TOY (mem-cut: the memory folds only as many features as the window holds)
 VARIANTS = {
@@ -80,10 +81,10 @@ def anchors_and_targets(ids, spans, per_seq: int, S: int, g: torch.Generator):
 
 
 def tau_hat(logits, labels, mask) -> tuple[float, list[float]]:
+    """1 + the mean accepted prefix (as ``hyflash.train`` validates), and each slot's accuracy."""
     right = (logits.argmax(-1) == labels) & mask
-    prefix = torch.cumprod(right.long(), dim=-1).sum(-1).float()
     acc = (right.sum((0, 1)) / mask.sum((0, 1)).clamp(min=1)).tolist()
-    return 1 + prefix.mean().item(), acc
+    return 1 + accepted_prefix(logits, labels, mask).float().mean().item(), acc
 
 
 def main():
