@@ -627,3 +627,24 @@ def test_gemma3_gpu_ablation_recipes_change_one_drafter_field_and_train_side_by_
         assert {**vars(cfg), "drafter": None} == {**vars(hyflash), "drafter": None}
     names = ["hyflash", "full", "swa", "noslot", *changes]
     check_shareable([load_recipe(f"gemma3-{v}-gpu") for v in names], names)  # raises if they could not share
+
+
+def test_per_slot_vectors_do_not_decay_like_the_vectors_they_stand_in_for():
+    """slot_embedding (rows of mask embeddings) and slot_q_scale (rows of query-norm weights) join the vectors'
+    no-decay group; weight matrices (lags included) decay."""
+    from hyflash.train import make_optimizer
+
+    cfg = DrafterConfig(num_layers=1, block_size=3, hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16,
+                        intermediate_size=48, memory_heads=2, memory_head_dim=8, memory_state_dim=8, vocab_size=40,
+                        target_hidden_size=16, target_layers=[0], context_lags=2, context_lag_rank=4,
+                        slot_embeddings=True, slot_query_scales=True)
+    emb = torch.zeros(40, 32)
+    d = HyFlashDrafter(cfg, emb, emb)
+    decay, no_decay = make_optimizer(d, TrainConfig(weight_decay=0.1)).param_groups
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    ids = lambda group: {id(p) for p in group["params"]}  # noqa: E731
+    for p in (d.slot_embedding, d.layers[0].attn.slot_q_scale, d.mask_embedding):
+        assert id(p) in ids(no_decay)
+    for p in (d.lag_up.weight, d.lag_down.weight, d.layers[0].attn.q_proj.weight):
+        assert id(p) in ids(decay)
+    assert len(ids(decay) | ids(no_decay)) == len(list(d.parameters()))

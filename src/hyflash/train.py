@@ -522,11 +522,17 @@ def lr_factor(step: int, cfg: TrainConfig) -> float:
     return (cfg.min_lr + 0.5 * (1 + math.cos(math.pi * t)) * (cfg.lr - cfg.min_lr)) / cfg.lr
 
 
+# parameters that are rows of vectors, one per draft slot (DrafterConfig.slot_embeddings, slot_query_scales): they
+# decay as little as the one vector they stand in for (the mask embedding, a query norm's weights)
+PER_SLOT_VECTORS = ("slot_embedding", "slot_q_scale")
+
+
 def make_optimizer(drafter: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW; matrices decay, vectors (norms, biases, gates, the mask embedding) do not."""
-    params = [p for p in drafter.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    """AdamW; matrices decay, vectors (norms, biases, gates, the mask embedding, per-slot vectors) do not."""
+    named = [(n, p) for n, p in drafter.named_parameters() if p.requires_grad]
+    vector = {n for n, p in named if p.dim() < 2 or n.rsplit(".", 1)[-1] in PER_SLOT_VECTORS}
+    groups = [{"params": [p for n, p in named if n not in vector], "weight_decay": cfg.weight_decay},
+              {"params": [p for n, p in named if n in vector], "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas)
 
 
