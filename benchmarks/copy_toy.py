@@ -15,6 +15,9 @@ cuts it). The toy is ours; the task is the associative-recall literature's (Zool
 
     python benchmarks/copy_toy.py --task near --variants hyflash,hyflash-lags --steps 3000 --seed 2
     python benchmarks/copy_toy.py --task far --variants hyflash-lags,swa-lags,mem-cut-lags --steps 3000
+    python benchmarks/copy_toy.py --task near --variants hyflash-copy,swa-copy,noslot-copy --steps 600
+    python benchmarks/copy_toy.py --task far --variants hyflash-copymem,mem-cut-copymem,swa-copy,hyflash-copy \
+        --steps 800
 
 About 0.1 s a step per variant on one core of the 2-core EPYC; results in benchmarks/results/copy_toy_2026-12-02/.
 """
@@ -46,6 +49,16 @@ VARIANTS = {
     "mem-cut-lags-slots": dict(variant="hyflash", context_lags=4, slot_embeddings=True, memory_limit=64),
     "hyflash-lags-slotq": dict(variant="hyflash", context_lags=4, slot_query_scales=True),
     "hyflash-lags-slots-slotq": dict(variant="hyflash", context_lags=4, slot_embeddings=True, slot_query_scales=True),
+    # the copy head (DrafterConfig.copy_head_rank): one hop from the anchor to each slot's token
+    "hyflash-copy": dict(variant="hyflash", copy_head_rank=32),
+    "noslot-copy": dict(variant="hyflash", copy_head_rank=32, slot_attention=False),
+    "swa-copy": dict(variant="swa", copy_head_rank=32),
+    "full-copy": dict(variant="full", copy_head_rank=32),
+    "mem-cut-copy": dict(variant="hyflash", copy_head_rank=32, memory_limit=64),
+    # ... and its memory (DrafterConfig.copy_memory), for copies from past the window
+    "hyflash-copymem": dict(variant="hyflash", copy_head_rank=32, copy_memory=True),
+    "gdn-copymem": dict(variant="hyflash", memory="gdn", copy_head_rank=32, copy_memory=True),
+    "mem-cut-copymem": dict(variant="hyflash", copy_head_rank=32, copy_memory=True, memory_limit=64),
 }
 TOY = dict(num_layers=2, block_size=4, window=64, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
            intermediate_size=128, memory_heads=4, memory_head_dim=16, memory_state_dim=16, vocab_size=512,

@@ -8,6 +8,7 @@ import torch
 from conftest import tiny_llama
 from hyflash import HyflashError
 from hyflash.decoding import SamplingConfig, generate
+from hyflash.drafter import memory as mem
 from hyflash.drafter.config import DrafterConfig
 from hyflash.drafter.model import HyFlashDrafter, from_pretrained, new_drafter, save_pretrained
 from hyflash.drafter.state import DrafterState
@@ -34,6 +35,11 @@ VARIANTS = [
     dict(variant="swa", context_lags=7, context_lag_rank=4),
     dict(variant="hyflash", memory="mamba2", context_lags=2, context_lag_rank=4, slot_embeddings=True),
     dict(variant="hyflash", memory="mamba2", context_lags=2, context_lag_rank=4, slot_query_scales=True),
+    dict(variant="hyflash", memory="mamba2", copy_head_rank=4),
+    dict(variant="swa", copy_head_rank=4, context_lags=2, context_lag_rank=4),
+    dict(variant="full", copy_head_rank=4),
+    dict(variant="hyflash", memory="gdn", copy_head_rank=4, copy_memory=True),
+    dict(variant="hyflash", memory="mamba2", copy_head_rank=4, copy_memory=True, memory_limit=5),
 ]
 
 
@@ -44,6 +50,10 @@ def tiny_drafter(seed=0, **kw):
     d = HyFlashDrafter(cfg, emb, head).double()
     if cfg.context_lags:  # zero-initialised; make it matter
         torch.nn.init.normal_(d.lag_up.weight, std=0.3)
+    if cfg.copy_head_rank:  # zero-initialised; make it matter
+        torch.nn.init.normal_(d.copy_up.weight, std=0.3)
+    if cfg.copy_memory:
+        torch.nn.init.normal_(d.copy_memory_up.weight, std=0.3)
     if cfg.slot_query_scales:  # ones at the start; make each slot's differ
         for layer in d.layers:
             torch.nn.init.uniform_(layer.attn.slot_q_scale, 0.5, 1.5)
@@ -106,6 +116,58 @@ def test_lagged_context_features_start_as_none_and_see_only_the_past():
     torch.testing.assert_close(d.committed(feats)[0], d.fuse_features(feats), rtol=0, atol=0)
     with pytest.raises(HyflashError, match="context_lags"):
         DrafterConfig(**{**TINY, "context_lags": -1})
+
+
+def test_copy_head_reads_what_followed_the_match_and_nothing_uncommitted():
+    """Slot j reads the value j + 1 after the position its query matches, only from committed features inside the
+    window; zero-initialised, the head changes nothing."""
+    cfg = DrafterConfig(**{**TINY, "copy_head_rank": 4})
+    d = HyFlashDrafter(cfg, torch.randn(50, 32), torch.randn(50, 32)).double()
+    ids, feats = torch.randint(50, (1, 20)), torch.randn(1, 20, 48, dtype=torch.float64)
+    assert torch.equal(d.copy_slot_inputs(d.committed(feats)[0], ids, torch.tensor([[12]])), torch.zeros(1, 1, 4, 32,
+                       dtype=torch.float64))
+    torch.nn.init.eye_(d.copy_up.weight)  # slot inputs' first 4 dims = the read values
+    M, a, m = 20, 12, 7  # keys of positions 0..19; the block at 12 sees 6..11 (window 6); its query matches 7 only
+    k = torch.zeros(1, M, 4, dtype=torch.float64)
+    k[0, m, 0] = 100.0
+    q = torch.tensor([[[100.0, 0, 0, 0]]], dtype=torch.float64)
+    v = torch.arange(M * 4, dtype=torch.float64).view(1, M, 4)
+    out = d.copy_read(q, k, v, torch.tensor([[a]]), 0)[0, 0, :, :4]  # [S, 4]
+    for j in range(4):
+        torch.testing.assert_close(out[j], v[0, m + 1 + j])
+    v2 = v.clone()
+    v2[0, a:] = -1.0  # features at and after the anchor are not committed: no slot may read them
+    k2 = k.clone()
+    k2[0, a:, 0] = 1e4
+    at = torch.tensor([[a]])
+    torch.testing.assert_close(d.copy_read(q, k2, v2, at, 0), d.copy_read(q, k, v, at, 0))
+    far = d.copy_read(q, k, v, torch.tensor([[m + d.config.window + 1]]), 0)[0, 0, 0, :4]  # match out of the window
+    assert not torch.allclose(far, v[0, m + 1])
+    assert torch.equal(d.copy_read(q, k, v, torch.tensor([[1]]), 0), torch.zeros(1, 1, 4, 32, dtype=torch.float64))
+    with pytest.raises(HyflashError, match="copy_head_rank"):
+        DrafterConfig(**{**TINY, "copy_head_rank": -1})
+
+
+def test_copy_memory_pairs_each_key_with_the_value_j_plus_1_later_however_far_back():
+    """Head j of the copy memory stores (key of feature t, value of feature t + 1 + j); with orthonormal keys and full
+    write strength a query equal to one key reads back exactly what followed it, from past the window too."""
+    d = tiny_drafter(copy_head_rank=4, copy_memory=True)
+    torch.nn.init.zeros_(d.copy_beta.weight)
+    torch.nn.init.constant_(d.copy_beta.bias, 50.0)  # β = 1
+    T, S, m = 12, 4, 2  # positions 0..11; keys: position 2 has e_0, three others e_1..e_3, the rest zero
+    k = torch.zeros(1, T, 4, dtype=torch.float64)
+    k[0, m, 0], k[0, 5, 1], k[0, 6, 2], k[0, 8, 3] = 3.0, 1.0, 1.0, 1.0
+    v = torch.randn(1, T, 4, dtype=torch.float64)
+    c = torch.randn(1, T, 32, dtype=torch.float64)
+    keys, vals, g, beta, recent = d.copy_memory_inputs(c, k, v, torch.zeros(1, S, 4, dtype=torch.float64))
+    for j in range(S):
+        torch.testing.assert_close(keys[0, m + 1 + j, j], torch.nn.functional.normalize(k[0, m], dim=-1))
+    torch.testing.assert_close(recent[0, -1], torch.zeros(4, dtype=torch.float64))  # feature 11's key is zero
+    state = mem.step("gdn", mem.init_state(1, S, 4, 4, dtype=torch.float64), keys, vals, g, beta)
+    out = mem.read(state, torch.eye(4, dtype=torch.float64)[None, None, :1].expand(1, S, 1, 4))[0, :, 0]  # [S, 4]
+    torch.testing.assert_close(out, v[0, m + 1: m + 1 + S])  # position 2 is 10 back: past the window of 6
+    with pytest.raises(HyflashError, match="copy_memory"):
+        DrafterConfig(**{**TINY, "variant": "swa", "copy_head_rank": 4, "copy_memory": True})
 
 
 def test_reading_memory_never_changes_the_state():

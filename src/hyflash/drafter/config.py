@@ -46,6 +46,18 @@ class DrafterConfig:
     # back for slot j when copying with context_lags (a sum of content and slot embeddings cannot: that needs a
     # product). Ours; not in the paper. Not shown to help either (benchmarks/copy_toy.py, reports/README.md).
     slot_query_scales: bool = False
+    # a copy head (soft prompt lookup): one attention from the anchor (its embedding and the feature before it) to
+    # each committed feature in the window (its own and the one before it) finds where the anchor occurred before;
+    # slot j then reads the value of the feature j + 1 after each match, so every slot of a copied block has its
+    # token in one hop, which the layers need not chain (benchmarks/copy_toy.py: without it no slot after the first
+    # ever learned to copy). Added to the slot inputs through a zero-initialised projection. Rank of its queries, keys
+    # and values; 0: off. Ours, not in the paper (induction heads, Olsson et al. 2022; prompt lookup decoding).
+    copy_head_rank: int = 0
+    # the copy head's memory, for copies from further back than the window: per slot j a fixed-size delta-rule state
+    # (Gated DeltaNet's update, no decay) that pairs each committed feature's copy key with the value of the feature
+    # j + 1 later, read with the same query. Needs copy_head_rank and a memory (hyflash); its state is
+    # block_size × rank² fp32 however long the context. memory_limit limits it too. Ours, not in the paper.
+    copy_memory: bool = False
     draft_vocab_size: int = 0  # >0: the LM head covers only these most frequent target tokens (EAGLE-3's reduced
     #                            draft vocabulary); ids are mapped back to the target's, verification is unchanged
     # geometry
@@ -88,6 +100,10 @@ class DrafterConfig:
             raise HyflashError(f"memory_long_heads must be between 0 and memory_heads ({self.memory_heads})")
         if self.context_lags < 0 or (self.context_lags and self.context_lag_rank < 1):
             raise HyflashError("context_lags must be >= 0 and context_lag_rank >= 1")
+        if self.copy_head_rank < 0:
+            raise HyflashError("copy_head_rank must be >= 0")
+        if self.copy_memory and not (self.copy_head_rank and self.has_memory):
+            raise HyflashError("copy_memory needs copy_head_rank > 0 and the hyflash variant (a memory)")
         if self.memory_min_half_life <= 0:
             raise HyflashError("memory_min_half_life must be > 0")
 

@@ -175,6 +175,17 @@ class HyFlashDrafter(nn.Module):
         self.mask_embedding = nn.Parameter(torch.randn(d) * 0.02)
         if cfg.slot_embeddings:  # DrafterConfig.slot_embeddings: one more learned input per mask slot
             self.slot_embedding = nn.Parameter(torch.randn(cfg.block_size - 1, d) * 0.02)
+        if cfg.copy_head_rank:  # DrafterConfig.copy_head_rank: the copy head
+            r = cfg.copy_head_rank
+            self.copy_q = nn.Linear(2 * d, r, bias=False)  # [anchor embedding; committed feature before the anchor]
+            self.copy_k = nn.Linear(2 * d, r, bias=False)  # [committed feature t; committed feature t − 1]
+            self.copy_v = nn.Linear(d, r, bias=False)
+            self.copy_up = nn.Linear(r, d, bias=False)
+            nn.init.zeros_(self.copy_up.weight)
+        if cfg.copy_memory:  # DrafterConfig.copy_memory
+            self.copy_beta = nn.Linear(d, 1)  # write strength of each committed feature's value
+            self.copy_memory_up = nn.Linear(cfg.copy_head_rank, d, bias=False)
+            nn.init.zeros_(self.copy_memory_up.weight)
         self.layers = nn.ModuleList(DrafterLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(d, cfg.rms_eps)
         if cfg.causal_head_rank:
@@ -229,6 +240,65 @@ class HyFlashDrafter(nn.Module):
         if self.config.slot_embeddings:
             masks = masks + self.slot_embedding
         return torch.cat([anchor[..., None, :], masks], dim=-2)
+
+    def copy_keys_values(self, c: torch.Tensor, before: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The copy head's keys and values [B, T, r] of committed features c [B, T, d] (positions n..n+T−1), given
+        the one before them, ``before`` [B, 1, d] (zeros at position 0)."""
+        prev = torch.cat([before.to(c.dtype), c[:, :-1]], dim=1)
+        return self.copy_k(torch.cat([c, prev], dim=-1)), self.copy_v(c)
+
+    def copy_query(self, anchor_ids: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
+        """The copy head's queries [B, n, r] of anchors [B, n] and the committed feature before each [B, n, d]."""
+        e = F.embedding(anchor_ids, self.embed_weight).to(before.dtype)
+        return self.copy_q(torch.cat([e, before], dim=-1))
+
+    def copy_read(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, anchors: torch.Tensor,
+                  start: int) -> torch.Tensor:
+        """The copy head's slot inputs [B, n, S, d] for blocks at ``anchors`` [B, n] with queries q [B, n, r], from
+        keys and values k, v [B, M, r] of committed features at positions start..start+M−1. One softmax per slot: slot
+        j of the block at a weighs positions t within the window (t ≥ a − W) whose feature j + 1 later is committed
+        (t + 1 + j ≤ a − 1) by q·k_t, and reads v_{t+1+j}; a slot with no such t reads nothing."""
+        S, W = self.config.block_size, self.config.attention_window
+        B, M, r = k.shape
+        scores = torch.einsum("bnr,bmr->bnm", q, k) * r ** -0.5
+        t = start + torch.arange(M, device=k.device)
+        a = anchors[..., None]  # [B, n, 1]
+        seen = (t >= a - W) if W is not None else torch.ones_like(t >= a)
+        reads = []
+        for j in range(S):
+            ok = seen & (t <= a - 2 - j)
+            w = torch.softmax(scores.masked_fill(~ok, torch.finfo(scores.dtype).min), dim=-1) * ok.any(-1, keepdim=True)
+            later = F.pad(v[:, 1 + j:], (0, 0, 0, min(1 + j, M)))  # later[t] = v[t + 1 + j]
+            reads.append(torch.einsum("bnm,bmr->bnr", w, later))
+        return self.copy_up(torch.stack(reads, dim=2))
+
+    def copy_memory_inputs(self, c: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recent: torch.Tensor):
+        """The copy memory's writes for committed features c [B, T, d] (positions n..n+T−1) with copy keys and values
+        k, v [B, T, r], given ``recent`` [B, S, r], the L2-normalised copy keys of positions n−S..n−1 (zeros before
+        position 0). Head j of position p pairs the key of feature p − 1 − j with the value of feature p: → keys,
+        values [B, T, S, r], log-decays (zeros) and write strengths [B, T, S], and the new ``recent``."""
+        S, T = self.config.block_size, c.shape[1]
+        stream = torch.cat([recent.to(k.dtype), F.normalize(k, dim=-1)], dim=1)  # positions n−S .. n+T−1
+        keys = torch.stack([stream[:, S - 1 - j: S - 1 - j + T] for j in range(S)], dim=2)
+        beta = torch.sigmoid(self.copy_beta(c)).expand(-1, -1, S)
+        return keys, v[:, :, None].expand(-1, -1, S, -1), torch.zeros_like(beta), beta, stream[:, -S:]
+
+    def copy_slot_inputs(self, c: torch.Tensor, input_ids: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+        """Training: the copy head's slot inputs [B, n, S, d] at every anchor of a sequence (committed features c of
+        positions 0..T−1)."""
+        k, v = self.copy_keys_values(c, c.new_zeros(c.shape[0], 1, c.shape[-1]))
+        before = torch.gather(c, 1, (anchors - 1)[..., None].expand(-1, -1, c.shape[-1]))  # feature a − 1
+        q = self.copy_query(torch.gather(input_ids, 1, anchors), before)
+        out = self.copy_read(q, k, v, anchors, 0)
+        if self.config.copy_memory:
+            S = self.config.block_size
+            keys, vals, g, beta, _ = self.copy_memory_inputs(c, k, v, k.new_zeros(k.shape[0], S, k.shape[-1]))
+            f = _state_dtype(q.dtype)
+            qn = F.normalize(q, dim=-1)[:, None].expand(-1, S, -1, -1)  # [B, S, n, r]: head j = slot j
+            y = mem.read_at("gdn", keys.to(f), vals.to(f), g.to(f), qn.to(f), anchors, beta=beta.to(f),
+                            limit=self.config.memory_limit)
+            out = out + self.copy_memory_up(y.transpose(1, 2).to(q.dtype))
+        return out
 
     def set_draft_vocab(self, token_ids: torch.Tensor) -> None:
         """Restrict the LM head to ``token_ids`` (e.g. the target's most frequent tokens)."""
@@ -314,7 +384,10 @@ class HyFlashDrafter(nn.Module):
         n = anchors.shape[1]
         c = self.committed(features)[0]  # [B, T, d]
         ctx_pos = torch.arange(T, device=c.device)
-        h = self.slot_inputs(torch.gather(input_ids, 1, anchors)).reshape(B, n * S, -1)
+        h = self.slot_inputs(torch.gather(input_ids, 1, anchors))  # [B, n, S, d]
+        if cfg.copy_head_rank:
+            h = h + self.copy_slot_inputs(c, input_ids, anchors).to(h.dtype)
+        h = h.reshape(B, n * S, -1)
         slot_pos = (anchors[..., None] + torch.arange(S, device=c.device)).reshape(B, n * S)
         mask = self.block_mask(anchors, T)
         q_pos = anchors.repeat_interleave(S, dim=1)  # memory for anchor a holds features 0..a−1

@@ -86,8 +86,8 @@ def _runtime_weights(drafter: HyFlashDrafter) -> list[_LayerWeights]:
 class _NativeWeights:
     """The drafter's weights as our C++ commit and draft take them (csrc/drafter.cpp), for the configurations it
     covers: bf16 on a CPU with our AMX kernel, a ring window, Mamba-2 memory or none, the full memory, slot attention,
-    no causal head, no lagged context features, no per-slot query scales. ``build`` returns None for anything else
-    (the torch path then runs)."""
+    no causal head, no lagged context features, no per-slot query scales, no copy head. ``build`` returns None for
+    anything else (the torch path then runs)."""
 
     @staticmethod
     def build(drafter: HyFlashDrafter, weights: list[_LayerWeights]) -> "_NativeWeights | None":
@@ -99,7 +99,7 @@ class _NativeWeights:
                 or cfg.head_dim % 32 or cfg.hidden_size % 16 or cfg.intermediate_size % 16
                 or (m is not None and (m.dv % 16 or m.dk > 256 or m.dv > 256))
                 or cfg.memory_limit is not None or not cfg.slot_attention or cfg.causal_head_rank or cfg.context_lags
-                or cfg.slot_query_scales
+                or cfg.slot_query_scales or cfg.copy_head_rank
                 or (cfg.has_memory and cfg.memory != "mamba2") or head is None or head.amx is None
                 or any(lin.amx is None for lin in linears)):
             return None
@@ -170,6 +170,17 @@ class DrafterState:
                         for _ in drafter.layers]
         self.memories, self.convs, self.recent = [], [], []
         self.lags = torch.zeros(1, *drafter.lag_state_shape(), dtype=p.dtype, device=p.device)  # context_lags
+        # copy_head_rank: the copy head's keys and values of the last W committed features (all of them for full),
+        # and the last committed feature (its next key's and every query's "feature before")
+        r = cfg.copy_head_rank
+        self.copy_k = self.copy_v = torch.zeros(1, 0, r, dtype=p.dtype, device=p.device)
+        self.copy_last = torch.zeros(1, 1, cfg.hidden_size if r else 0, dtype=p.dtype, device=p.device)
+        # copy_memory: one delta-rule state per slot, the normalised copy keys of the last S features, and with
+        # memory_limit the last N writes (the state is then refolded from zero at each draft, as for the memory)
+        S = cfg.block_size if cfg.copy_memory else 0
+        self.copy_mem = mem.init_state(1, S, r, r, dtype=self.state_dtype, device=p.device)
+        self.copy_recent_keys = torch.zeros(1, S, r, dtype=p.dtype, device=p.device)
+        self.copy_writes = None
         for layer in drafter.layers:
             m = layer.memory
             if m is None:
@@ -189,6 +200,22 @@ class DrafterState:
         if self.native is not None and 1 <= features.shape[0] <= 16 and not d.training:
             return self._native_commit(features)
         c, self.lags = d.committed(features.to(self.device)[None], self.lags)  # [1, n, d]
+        if d.config.copy_head_rank:
+            k, v = d.copy_keys_values(c, self.copy_last)
+            keep = d.config.attention_window or self.n + c.shape[1]
+            self.copy_k = torch.cat([self.copy_k, k], dim=1)[:, -keep:]
+            self.copy_v = torch.cat([self.copy_v, v], dim=1)[:, -keep:]
+            self.copy_last = c[:, -1:]
+            if d.config.copy_memory:
+                keys, vals, g, beta, self.copy_recent_keys = d.copy_memory_inputs(c, k, v, self.copy_recent_keys)
+                new = tuple(x.to(self.state_dtype) for x in (keys, vals, g, beta))
+                limit = d.config.memory_limit
+                if limit is None:
+                    self.copy_mem = mem.step("gdn", self.copy_mem, *new[:3], new[3])
+                else:
+                    old = self.copy_writes
+                    both = new if old is None else tuple(torch.cat([a, b], 1) for a, b in zip(old, new))
+                    self.copy_writes = tuple(x[:, -limit:] for x in both)
         cos, sin = rope_tables(torch.arange(self.n, self.n + c.shape[1], device=self.device), d.config.head_dim,
                                d.config.rope_theta, c.dtype)
         i = 0
@@ -275,6 +302,17 @@ class DrafterState:
         d, cfg = self.drafter, self.drafter.config
         S = self._slot_count(slots)
         h = d.slot_inputs(torch.tensor([[anchor]], device=self.device))[0][:, :S]  # [1, S, d]
+        if cfg.copy_head_rank:
+            q = d.copy_query(torch.tensor([[anchor]], device=self.device), self.copy_last)
+            start = self.n - self.copy_k.shape[1]
+            read = d.copy_read(q, self.copy_k, self.copy_v, torch.tensor([[self.n]], device=self.device), start)
+            if cfg.copy_memory:
+                state = self.copy_mem
+                if self.copy_writes is not None:  # memory_limit: the last N writes, folded from zero
+                    state = mem.step("gdn", torch.zeros_like(state), *self.copy_writes[:3], self.copy_writes[3])
+                y = mem.read(state, F.normalize(q, dim=-1)[:, None].expand(-1, state.shape[1], -1, -1).to(state.dtype))
+                read = read + d.copy_memory_up(y.transpose(1, 2).to(q.dtype))
+            h = h + read[0, :, :S].to(h.dtype)
         cos, sin = rope_tables(torch.arange(self.n, self.n + S, device=self.device), cfg.head_dim, cfg.rope_theta,
                                h.dtype)
         mask = None
@@ -306,6 +344,15 @@ class DrafterState:
         total += sum(s.numel() * s.element_size() for s in self.memories)
         total += sum(c.numel() * c.element_size() for c in self.convs)
         total += self.lags.numel() * self.lags.element_size()
+        if self.drafter.config.copy_head_rank:  # bounded like the rings: counted at the window's capacity
+            held = self.drafter.config.attention_window or self.copy_k.shape[1]
+            total += 2 * held * self.copy_k.shape[2] * self.copy_k.element_size()
+            total += self.copy_last.numel() * self.copy_last.element_size()
+        for t in (self.copy_mem, self.copy_recent_keys):
+            total += t.numel() * t.element_size()
+        if self.copy_writes is not None:  # memory_limit: counted at N writes
+            limit = self.drafter.config.memory_limit
+            total += sum(a[0, 0].numel() * a.element_size() * limit for a in self.copy_writes)
         for r in self.recent:
             if r is not None:
                 limit = self.drafter.config.memory_limit

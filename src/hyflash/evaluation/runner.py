@@ -90,6 +90,7 @@ def drafter_info(spec: str, target) -> dict:
     return {"spec": spec, "path": str(path), "weights_sha256": digest, "variant": cfg.variant,
             "num_layers": cfg.num_layers, "window": cfg.window, "memory": cfg.memory,
             "memory_limit": cfg.memory_limit, "slot_attention": cfg.slot_attention, "context_lags": cfg.context_lags,
+            "copy_head_rank": cfg.copy_head_rank,
             "draft_vocab_size": cfg.draft_vocab_size, "confidence": confidence or 0.0,
             "tree": resolve_tree(tree, confidence), "weights": weights or DEFAULT_WEIGHTS}
 

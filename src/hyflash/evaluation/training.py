@@ -23,7 +23,7 @@ from hyflash import HyflashError
 
 # drafter fields that make an ablation, in the order the table names them
 ABLATION_FIELDS = ("variant", "num_layers", "memory", "memory_limit", "slot_attention", "window", "memory_long_heads",
-                   "memory_min_half_life", "context_lags")
+                   "memory_min_half_life", "context_lags", "copy_head_rank")
 
 
 def load_training_run(run_dir) -> tuple[dict, list[dict]]:
@@ -195,7 +195,7 @@ def _plots(rows: list[dict], step: int, out: Path) -> list[Path]:
     depth = {}  # variant -> {layers: τ̂}, for runs that change nothing but the layer count
     for r in rows:
         plain = (r["memory_limit"] is None and r["slot_attention"] is not False and r["memory"] == "mamba2"
-                 and not r["context_lags"])
+                 and not r["context_lags"] and not r["copy_head_rank"])
         if plain and r["val_tau"] is not None:
             depth.setdefault(r["variant"], {})[r["num_layers"]] = r["val_tau"]
     if any(len(v) > 1 for v in depth.values()):
