@@ -59,6 +59,7 @@ VARIANTS = {
     "hyflash-copymem": dict(variant="hyflash", copy_head_rank=32, copy_memory=True),
     "gdn-copymem": dict(variant="hyflash", memory="gdn", copy_head_rank=32, copy_memory=True),
     "mem-cut-copymem": dict(variant="hyflash", copy_head_rank=32, copy_memory=True, memory_limit=64),
+    "hyflash-copymem128": dict(variant="hyflash", copy_head_rank=128, copy_memory=True),  # 4x the keys a state holds
 }
 TOY = dict(num_layers=2, block_size=4, window=64, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
            intermediate_size=128, memory_heads=4, memory_head_dim=16, memory_state_dim=16, vocab_size=512,

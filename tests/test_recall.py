@@ -121,3 +121,10 @@ def test_the_copy_recipes_differ_only_in_the_drafter():
         lags = load_recipe(f"smollm2-copy-{v}-lags").to_dict()
         assert {k: x for k, x in lags.items() if k not in ("drafter", "_comment")} == rest["hyflash"]
         assert lags["drafter"] == {**r[v]["drafter"], "context_lags": 7, "context_lag_rank": 64}
+    for v in ("hyflash", "noslot", "swa"):  # the copy-head runs: rank 64; HyFlash and no-slot also with its memory
+        for name, extra in (("copyhead", {}), ("copymem", {"copy_memory": True})):
+            if v == "swa" and name == "copymem":
+                continue  # the sliding window has no memory
+            ch = load_recipe(f"smollm2-copy-{v}-{name}").to_dict()
+            assert {k: x for k, x in ch.items() if k not in ("drafter", "_comment")} == rest["hyflash"]
+            assert ch["drafter"] == {**r[v]["drafter"], "copy_head_rank": 64, **extra}
