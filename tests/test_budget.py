@@ -55,12 +55,17 @@ def test_computed_target_bytes_equal_what_the_model_holds(make):
         assert held.kv_bytes(40, kv_bits=32) > t.kv_bytes(40, kv_bits=32)
 
 
-@pytest.mark.parametrize("variant", ["hyflash", "swa", "full"])
-@pytest.mark.parametrize("memory", ["mamba2", "gdn"])
-def test_computed_drafter_bytes_equal_the_runtime_state(variant, memory):
+EXTRAS = {"plain": {}, "lags-copy": dict(context_lags=3, copy_head_rank=4),
+          "copymem": dict(copy_head_rank=4, copy_memory=True)}  # the copy memory needs a memory: hyflash only
+
+
+@pytest.mark.parametrize("variant,memory,extra", [
+    (v, m, e) for v in ("hyflash", "swa", "full") for m in ("mamba2", "gdn") for e in EXTRAS
+    if e != "copymem" or v == "hyflash"])
+def test_computed_drafter_bytes_equal_the_runtime_state(variant, memory, extra):
     cfg = DrafterConfig(variant=variant, memory=memory, num_layers=2, window=6, hidden_size=32, num_heads=4,
                         num_kv_heads=2, head_dim=8, intermediate_size=64, memory_heads=2, memory_head_dim=8,
-                        memory_state_dim=4, target_layers=[0, 1], target_hidden_size=32, vocab_size=40)
+                        memory_state_dim=4, target_layers=[0, 1], target_hidden_size=32, vocab_size=40, **EXTRAS[extra])
     emb = torch.randn(40, 32)
     drafter = HyFlashDrafter(cfg, emb, emb).to(torch.bfloat16)
     g = DrafterGeometry.from_drafter_config(cfg, drafter.num_parameters())

@@ -122,6 +122,8 @@ class DrafterGeometry:
     conv_kernel: int
     params: int  # the drafter's own parameters (embedding and LM head are the target's)
     note: str = ""
+    copy_rank: int = 0  # the copy head's keys and values per held feature (DrafterConfig.copy_head_rank)
+    fixed_extra: int = 0  # bytes of the lag state, the copy head's last feature and the copy memory (constant)
 
     @classmethod
     def from_drafter_config(cls, cfg, params: int) -> "DrafterGeometry":
@@ -132,7 +134,19 @@ class DrafterGeometry:
                    memory_heads=cfg.memory_heads if has_mem else 0, memory_state_dim=cfg.memory_state_dim,
                    memory_head_dim=cfg.memory_head_dim,
                    conv_channels=(cfg.memory_heads * cfg.memory_head_dim + n_k) if has_mem else 0,
-                   conv_kernel=cfg.conv_kernel, params=params, note=f"{cfg.variant} drafter")
+                   conv_kernel=cfg.conv_kernel, params=params, note=f"{cfg.variant} drafter",
+                   copy_rank=cfg.copy_head_rank, fixed_extra=cls._extra_state_bytes(cfg))
+
+    @staticmethod
+    def _extra_state_bytes(cfg) -> int:
+        """What DrafterState keeps besides rings, memories and convs: the last L fused features (context_lags), the
+        last committed feature (copy head), per slot a rank² fp32 state and the last S normalised keys (copy memory)."""
+        total = cfg.context_lags * cfg.hidden_size * 2
+        if cfg.copy_head_rank:
+            total += cfg.hidden_size * 2
+        if cfg.copy_memory:
+            total += cfg.block_size * cfg.copy_head_rank * (cfg.copy_head_rank * 4 + 2)
+        return total
 
     def window_kv_bytes(self, context: int) -> float:
         held = context if self.window is None else self.window  # the ring is allocated whole (DrafterState)
@@ -144,8 +158,13 @@ class DrafterGeometry:
     def conv_bytes(self) -> float:
         return self.layers * (self.conv_kernel - 1) * self.conv_channels * 2
 
+    def copy_head_bytes(self, context: int) -> float:
+        held = context if self.window is None else self.window
+        return 2 * self.copy_rank * held * 2  # bf16 keys and values
+
     def context_bytes(self, context: int) -> float:
-        return self.window_kv_bytes(context) + self.memory_bytes() + self.conv_bytes()
+        return (self.window_kv_bytes(context) + self.memory_bytes() + self.conv_bytes() + self.copy_head_bytes(context)
+                + self.fixed_extra)
 
 
 def paper_drafter_for(t: TargetGeometry, params: int = 0) -> DrafterGeometry:
