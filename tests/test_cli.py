@@ -120,3 +120,18 @@ def test_generate_drafts_a_smaller_tree_by_default_on_the_builds_without_bf16_do
 def test_a_bad_hyflash_kernels_value_is_a_clean_error():
     proc = hyflash("generate", "Hi", "--max-new-tokens", "3", HYFLASH_KERNELS="avx3")
     assert_clean_error(proc, "HYFLASH_KERNELS='avx3': use 0 (off), 1 (the CPU's best) or one of")
+
+
+def test_install_script_refuses_the_system_python(tmp_path):
+    """scripts/install.sh outside a virtual environment stops before pip with a clear error (it would mix the pinned
+    torch into the system's packages)."""
+    from pathlib import Path
+
+    base = Path(sys.base_prefix) / "bin" / "python3"
+    (tmp_path / "python").symlink_to(base)  # `python` on PATH is the interpreter outside any venv
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "HYFLASH_SYSTEM_INSTALL")}
+    env["PATH"] = f"{tmp_path}:{env['PATH']}"
+    script = Path(__file__).resolve().parents[1] / "scripts" / "install.sh"
+    run = subprocess.run(["bash", str(script), "dev"], capture_output=True, text=True, env=env, timeout=60)
+    assert run.returncode == 2 and "no virtual environment is active" in run.stderr
+    assert "python3 -m venv .venv" in run.stderr and run.stdout == ""
