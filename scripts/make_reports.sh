@@ -48,4 +48,7 @@ hyflash training-report $G/hyflash $G/noslot $G/swa $G/gdn --at-step 400 --out r
 L=$R/smollm2-copy-lags
 hyflash training-report $G/hyflash $G/noslot $G/swa $L/hyflash-lags $L/noslot-lags $L/swa-lags --at-step 400 \
     --out reports/smollm2-copy-lags
+H=$R/smollm2-copyhead
+hyflash training-report $G/hyflash $G/noslot $G/swa $H/hyflash-copyhead $H/noslot-copyhead $H/swa-copyhead \
+    --at-step 100 --out reports/smollm2-copyhead
 echo "make_reports: every report rebuilt from reports/runs/"

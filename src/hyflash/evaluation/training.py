@@ -13,6 +13,7 @@ val_tau_vs_depth.png.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -20,6 +21,7 @@ from pathlib import Path
 import torch
 
 from hyflash import HyflashError
+from hyflash.drafter.config import DrafterConfig
 
 # drafter fields that make an ablation, in the order the table names them
 ABLATION_FIELDS = ("variant", "num_layers", "memory", "memory_limit", "slot_attention", "window", "memory_long_heads",
@@ -38,7 +40,6 @@ def load_training_run(run_dir) -> tuple[dict, list[dict]]:
 
 def trainable_parameters(cfg: dict) -> int:
     """The drafter's trainable parameters from its config alone (the shared embedding/LM head are not counted)."""
-    from hyflash.drafter.config import DrafterConfig
     from hyflash.drafter.model import HyFlashDrafter
 
     d = cfg["drafter"]
@@ -53,7 +54,9 @@ def run_row(name: str, cfg: dict, log: list[dict], step: int) -> dict:
     evals = [r for r in log if "val_tau" in r]
     at = next((r for r in evals if r["step"] == step), None)
     last = evals[-1] if evals else None
-    return {"name": name, **{f: cfg["drafter"].get(f) for f in ABLATION_FIELDS},
+    # a field a run's config leaves out has its default (configs written before the field existed leave it out)
+    defaults = {f.name: f.default for f in dataclasses.fields(DrafterConfig) if f.name in ABLATION_FIELDS}
+    return {"name": name, **{f: cfg["drafter"].get(f, defaults[f]) for f in ABLATION_FIELDS},
             "params": trainable_parameters(cfg), "schedule_steps": cfg["steps"], "steps_run": log[-1]["step"] if log else 0,
             "val_tau": None if at is None else at["val_tau"], "val_anchors": None if at is None else at["val_anchors"],
             "val_tau_se": None if at is None else at.get("val_tau_se"),  # logged by runs since 2026-11-30
