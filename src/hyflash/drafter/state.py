@@ -156,6 +156,19 @@ def _native_weights(drafter: HyFlashDrafter, weights: list[_LayerWeights]) -> _N
     return cached[2]
 
 
+def _last_writes(old: tuple | None, new: tuple, limit: int) -> tuple:
+    """The memory_limit ablation's kept writes: (k, v, g, beta) of the last ``limit`` features, from those kept so far
+    and the new ones (beta None for mamba2)."""
+    if old is not None:
+        new = tuple(None if a is None else torch.cat([a, b], 1) for a, b in zip(old, new))
+    return tuple(None if a is None else a[:, -limit:] for a in new)
+
+
+def _writes_bytes(writes: tuple | None, limit: int) -> int:
+    """Bytes of ``_last_writes``, counted at their capacity of ``limit`` features."""
+    return 0 if writes is None else sum(a[0, 0].numel() * a.element_size() * limit for a in writes if a is not None)
+
+
 class DrafterState:
     def __init__(self, drafter: HyFlashDrafter):
         self.drafter = drafter
@@ -213,9 +226,7 @@ class DrafterState:
                 if limit is None:
                     self.copy_mem = mem.step("gdn", self.copy_mem, *new[:3], new[3])
                 else:
-                    old = self.copy_writes
-                    both = new if old is None else tuple(torch.cat([a, b], 1) for a, b in zip(old, new))
-                    self.copy_writes = tuple(x[:, -limit:] for x in both)
+                    self.copy_writes = _last_writes(self.copy_writes, new, limit)
         cos, sin = rope_tables(torch.arange(self.n, self.n + c.shape[1], device=self.device), d.config.head_dim,
                                d.config.rope_theta, c.dtype)
         i = 0
@@ -231,11 +242,7 @@ class DrafterState:
             if limit is None:
                 self.memories[i] = mem.step(layer.memory.kind, self.memories[i], mk, mv, mg, mb)
             else:  # keep the last `limit` write inputs; the state is refolded from zero at each draft
-                new = (mk, mv, mg, mb)
-                old = self.recent[i]
-                if old is not None:
-                    new = tuple(None if a is None else torch.cat([a, b], 1) for a, b in zip(old, new))
-                self.recent[i] = tuple(None if a is None else a[:, -limit:] for a in new)
+                self.recent[i] = _last_writes(self.recent[i], (mk, mv, mg, mb), limit)
             i += 1
         self.n += c.shape[1]
 
@@ -350,11 +357,7 @@ class DrafterState:
             total += self.copy_last.numel() * self.copy_last.element_size()
         for t in (self.copy_mem, self.copy_recent_keys):
             total += t.numel() * t.element_size()
-        if self.copy_writes is not None:  # memory_limit: counted at N writes
-            limit = self.drafter.config.memory_limit
-            total += sum(a[0, 0].numel() * a.element_size() * limit for a in self.copy_writes)
-        for r in self.recent:
-            if r is not None:
-                limit = self.drafter.config.memory_limit
-                total += sum(a[0, 0].numel() * a.element_size() * limit for a in r if a is not None)
+        limit = self.drafter.config.memory_limit
+        total += _writes_bytes(self.copy_writes, limit)  # memory_limit: counted at N writes
+        total += sum(_writes_bytes(r, limit) for r in self.recent)
         return total
