@@ -55,6 +55,10 @@ VARIANTS = {
     "swa-copy": dict(variant="swa", copy_head_rank=32),
     "full-copy": dict(variant="full", copy_head_rank=32),
     "mem-cut-copy": dict(variant="hyflash", copy_head_rank=32, memory_limit=64),
+    # ... reading the committed tokens too, an exact bigram lookup at initialisation (DrafterConfig.copy_head_tokens)
+    "hyflash-copytok": dict(variant="hyflash", copy_head_rank=32, copy_head_tokens=True),
+    "noslot-copytok": dict(variant="hyflash", copy_head_rank=32, copy_head_tokens=True, slot_attention=False),
+    "swa-copytok": dict(variant="swa", copy_head_rank=32, copy_head_tokens=True),
     # ... and its memory (DrafterConfig.copy_memory), for copies from past the window
     "hyflash-copymem": dict(variant="hyflash", copy_head_rank=32, copy_memory=True),
     "gdn-copymem": dict(variant="hyflash", memory="gdn", copy_head_rank=32, copy_memory=True),

@@ -23,6 +23,7 @@ hyflash report $R/gemma3-gdn-depth1-distant $R/gemma3-depth3-distant --out repor
 hyflash report $R/gemma3-cpp-attention-ngram --out reports/gemma3-cpp-attention-ngram
 hyflash report $R/gemma3-floor-distant --out reports/gemma3-floor-distant
 hyflash report $R/smollm2-copy-probe --out reports/smollm2-copy-probe
+hyflash report $R/smollm2-copytok-probe --out reports/smollm2-copytok-probe
 python benchmarks/compare_eval_runs.py $R/gemma3-gpu-long $R/gemma3-cpp-attention-ngram \
     > $R/gemma3-cpp-attention-ngram/compare_with_gemma3-gpu-long.txt
 
@@ -51,4 +52,6 @@ hyflash training-report $G/hyflash $G/noslot $G/swa $L/hyflash-lags $L/noslot-la
 H=$R/smollm2-copyhead
 hyflash training-report $G/hyflash $G/noslot $G/swa $H/hyflash-copyhead $H/noslot-copyhead $H/swa-copyhead \
     --at-step 100 --out reports/smollm2-copyhead
+T=$R/smollm2-copytok
+hyflash training-report $G/hyflash $H/hyflash-copyhead $T/hyflash-copytok --at-step 400 --out reports/smollm2-copytok
 echo "make_reports: every report rebuilt from reports/runs/"

@@ -40,6 +40,9 @@ VARIANTS = [
     dict(variant="full", copy_head_rank=4),
     dict(variant="hyflash", memory="gdn", copy_head_rank=4, copy_memory=True),
     dict(variant="hyflash", memory="mamba2", copy_head_rank=4, copy_memory=True, memory_limit=5),
+    dict(variant="hyflash", memory="mamba2", copy_head_rank=4, copy_head_tokens=True),
+    dict(variant="swa", copy_head_rank=4, copy_head_tokens=True),
+    dict(variant="hyflash", memory="gdn", copy_head_rank=4, copy_head_tokens=True, copy_memory=True),
 ]
 
 
@@ -74,7 +77,7 @@ def test_training_forward_equals_streaming_runtime(kw):
     for j, a in enumerate(anchors[0].tolist()):
         while done < a:  # fold 1..8 features per commit, like verification rounds
             n = min(a - done, int(torch.randint(1, 9, (1,), generator=g)))
-            state.commit(feats[0, done:done + n])
+            state.commit(feats[0, done:done + n], ids[0, done:done + n].tolist())
             done += n
         runtime_logits = d.logits(state.draft_hidden(int(ids[0, a])))
         torch.testing.assert_close(runtime_logits, train_logits[j], rtol=1e-10, atol=1e-10)
@@ -146,6 +149,30 @@ def test_copy_head_reads_what_followed_the_match_and_nothing_uncommitted():
     assert torch.equal(d.copy_read(q, k, v, torch.tensor([[1]]), 0), torch.zeros(1, 1, 4, 32, dtype=torch.float64))
     with pytest.raises(HyflashError, match="copy_head_rank"):
         DrafterConfig(**{**TINY, "copy_head_rank": -1})
+
+
+def test_copy_head_tokens_start_as_an_exact_bigram_lookup():
+    """With copy_head_tokens, before any training the copy head puts its weight on where the anchor and the token
+    before it occurred together, and reads the tokens that followed; the runtime needs the tokens' ids."""
+    d = tiny_drafter(copy_head_rank=16, copy_head_tokens=True, window=64)
+    torch.nn.init.zeros_(d.copy_q.weight)  # the features' part starts random; leave only the tokens' part
+    torch.nn.init.zeros_(d.copy_k.weight)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randperm(50, generator=g)[:40][None]  # distinct tokens, then a copy of positions 10..12 at 30..32
+    ids[0, 30:33] = ids[0, 10:13]
+    ids[0, 20] = ids[0, 11]  # the anchor's token alone, without the token before it
+    feats = torch.randn(1, 40, 48, dtype=torch.float64, generator=g)
+    c = d.committed(feats)[0]
+    e = d.copy_token_embeddings(ids, c.dtype)
+    zero = c.new_zeros(1, 1, c.shape[-1])
+    k, _ = d.copy_keys_values(c, zero, e, zero)
+    a = 31  # anchor ids[31] = ids[11], the token before it ids[30] = ids[10]
+    q = d.copy_query(ids[:, [a]], c[:, [a - 1]], e[:, [a - 1]])
+    w = torch.softmax((q @ k[0, :a - 1].T)[0, 0] * 16 ** -0.5, dim=-1)  # slot 0's weights over t ≤ a − 2
+    assert w.argmax() == 11 and w[11] > 0.99  # the bigram match, not the unigram one at 20
+    state = DrafterState(d)
+    with pytest.raises(HyflashError, match="token ids"):
+        state.commit(feats[0, :5])
 
 
 def test_copy_memory_pairs_each_key_with_the_value_j_plus_1_later_however_far_back():
@@ -510,3 +537,31 @@ def test_long_memory_heads_cannot_forget_faster_than_their_half_life():
         assert float(floored.layers[0].memory.dt_bias.grad[0].abs()) > 0
     with pytest.raises(HyflashError, match="memory_long_heads"):
         DrafterConfig(**{**TINY, "memory_long_heads": TINY["memory_heads"] + 1})
+
+
+def test_copy_token_drafter_round_trips_and_generates_losslessly(tmp_path):
+    """A drafter whose copy head reads the committed tokens gets their ids from the decoding loop (prompt, then each
+    round's accepted tokens): saved and loaded, it samples, and greedy it leaves the target's output unchanged; its
+    state after a generation equals a fresh state fed the same tokens and features at once."""
+    target = tiny_llama(vocab=50, hidden=32)
+    torch.manual_seed(0)
+    cfg = DrafterConfig(**{**TINY, "hidden_size": 32, "copy_head_rank": 8, "copy_head_tokens": True})
+    drafter = new_drafter(cfg, target, dtype=torch.float32)
+    torch.nn.init.normal_(drafter.copy_up.weight, std=0.5)  # zero-initialised; make the head matter
+    save_pretrained(drafter, tmp_path / "d", dtype=None)
+    loaded = from_pretrained(tmp_path / "d", target, dtype=torch.float32)
+    assert loaded.config.copy_head_tokens and torch.equal(loaded.copy_kt.weight, drafter.copy_kt.weight)
+    phrase = torch.randint(1, 49, (10,)).tolist()
+    prompt = phrase * 3 + phrase[:4]
+    sampled = generate(target, prompt, HyFlashProposer(loaded, seed=0), max_new_tokens=30,
+                       sampling=SamplingConfig(temperature=1.0, seed=0))
+    assert sampled.token_ids and sampled.stats.drafted > 0
+    plain = generate(target, prompt, None, max_new_tokens=30)
+    proposer = HyFlashProposer(loaded, seed=0)
+    spec = generate(target, prompt, proposer, max_new_tokens=30)
+    assert spec.token_ids == plain.token_ids and spec.stats.rounds > 1
+    ids = prompt + spec.token_ids[:proposer.state.n - len(prompt)]
+    fresh = DrafterState(loaded)
+    fresh.commit(target.forward(torch.tensor(ids), target.new_cache()).features, ids)
+    torch.testing.assert_close(proposer.state.copy_k, fresh.copy_k, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(proposer.state.copy_last_token, fresh.copy_last_token, rtol=0, atol=0)

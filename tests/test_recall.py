@@ -128,3 +128,6 @@ def test_the_copy_recipes_differ_only_in_the_drafter():
             ch = load_recipe(f"smollm2-copy-{v}-{name}").to_dict()
             assert {k: x for k, x in ch.items() if k not in ("drafter", "_comment")} == rest["hyflash"]
             assert ch["drafter"] == {**r[v]["drafter"], "copy_head_rank": 64, **extra}
+        tok = load_recipe(f"smollm2-copy-{v}-copytok").to_dict()  # the copy head reading the tokens too
+        assert {k: x for k, x in tok.items() if k not in ("drafter", "_comment")} == rest["hyflash"]
+        assert tok["drafter"] == {**r[v]["drafter"], "copy_head_rank": 64, "copy_head_tokens": True}

@@ -140,10 +140,11 @@ class DrafterGeometry:
     @staticmethod
     def _extra_state_bytes(cfg) -> int:
         """What DrafterState keeps besides rings, memories and convs: the last L fused features (context_lags), the
-        last committed feature (copy head), per slot a rank² fp32 state and the last S normalised keys (copy memory)."""
+        last committed feature (copy head) and token's embedding (copy_head_tokens), per slot a rank² fp32 state and
+        the last S normalised keys (copy memory)."""
         total = cfg.context_lags * cfg.hidden_size * 2
         if cfg.copy_head_rank:
-            total += cfg.hidden_size * 2
+            total += cfg.hidden_size * 2 * (1 + cfg.copy_head_tokens)
         if cfg.copy_memory:
             total += cfg.block_size * cfg.copy_head_rank * (cfg.copy_head_rank * 4 + 2)
         return total
@@ -283,8 +284,9 @@ def measure_drafter_context(drafter, context: int) -> int:
     cfg = drafter.config
     feats = torch.randn(context, len(cfg.target_layers) * cfg.target_hidden_size,
                         generator=torch.Generator().manual_seed(0)).to(state.dtype)
+    ids = torch.zeros(context, dtype=torch.long)  # the tokens matter to no byte count (copy_head_tokens reads them)
     for i in range(0, context, 1024):
-        state.commit(feats[i:i + 1024])
+        state.commit(feats[i:i + 1024], ids[i:i + 1024])
     return state.nbytes()
 
 

@@ -158,7 +158,7 @@ class HyFlashProposer:
         self.gen = random_stream(self.seed, 3)
 
     def commit(self, token_ids, features):
-        self.state.commit(features)
+        self.state.commit(features, token_ids)
 
     @torch.no_grad()
     def draft(self, anchor: int, max_tokens: int, sampling: SamplingConfig) -> Draft:

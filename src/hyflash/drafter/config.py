@@ -53,6 +53,14 @@ class DrafterConfig:
     # ever learned to copy). Added to the slot inputs through a zero-initialised projection. Rank of its queries, keys
     # and values; 0: off. Ours, not in the paper (induction heads, Olsson et al. 2022; prompt lookup decoding).
     copy_head_rank: int = 0
+    # the copy head also reads the committed tokens themselves: its keys add a projection of the (RMS-normalised)
+    # embeddings of token t and token t − 1, its query the same of the anchor and the token before it, through
+    # projections equal at initialisation, so that from step 0 the head is an exact prompt lookup of the last two
+    # tokens (bigram matches score twice a unigram one), which training then refines with the features; its values
+    # add a projection of token t's embedding. A real target's fused features name their own token only weakly (on
+    # SmolLM2 the copy head without this learned no copying in 400 steps). Needs copy_head_rank; the runtime then
+    # needs the committed tokens' ids with their features. Ours (prompt lookup decoding's match, made soft).
+    copy_head_tokens: bool = False
     # the copy head's memory, for copies from further back than the window: per slot j a fixed-size delta-rule state
     # (Gated DeltaNet's update, no decay) that pairs each committed feature's copy key with the value of the feature
     # j + 1 later, read with the same query. Needs copy_head_rank and a memory (hyflash); its state is
@@ -102,6 +110,8 @@ class DrafterConfig:
             raise HyflashError("context_lags must be >= 0 and context_lag_rank >= 1")
         if self.copy_head_rank < 0:
             raise HyflashError("copy_head_rank must be >= 0")
+        if self.copy_head_tokens and not self.copy_head_rank:
+            raise HyflashError("copy_head_tokens needs copy_head_rank > 0 (it is a part of the copy head)")
         if self.copy_memory and not (self.copy_head_rank and self.has_memory):
             raise HyflashError("copy_memory needs copy_head_rank > 0 and the hyflash variant (a memory)")
         if self.memory_min_half_life <= 0:

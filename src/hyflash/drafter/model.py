@@ -21,6 +21,11 @@ from hyflash.drafter import memory as mem
 from hyflash.drafter.attention import LocalAttention, RMSNorm
 from hyflash.drafter.config import DrafterConfig
 
+# copy_head_tokens: the score (after copy_read's r^-0.5) of a token against itself at initialisation; other tokens
+# score ~N(0, 8/√r) (σ 1 at rank 64), so over a window of 256 a unigram match takes much of the weight and a bigram
+# (twice the score) nearly all of it
+COPY_MATCH_SCORE = 8.0
+
 
 def _state_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
@@ -182,6 +187,18 @@ class HyFlashDrafter(nn.Module):
             self.copy_v = nn.Linear(d, r, bias=False)
             self.copy_up = nn.Linear(r, d, bias=False)
             nn.init.zeros_(self.copy_up.weight)
+        if cfg.copy_head_tokens:  # DrafterConfig.copy_head_tokens: [token; token before] into keys and queries
+            self.copy_qt = nn.Linear(2 * d, r, bias=False)
+            self.copy_kt = nn.Linear(2 * d, r, bias=False)
+            self.copy_vt = nn.Linear(d, r, bias=False)
+            with torch.no_grad():  # q = k at init: an exact bigram lookup
+                # orthonormal rows: a normalised embedding (unit variance per component) projects to r components of
+                # unit variance, so a token scores s²·r·r^-0.5 against itself in copy_read and ~N(0, s²) against
+                # another; s² = COPY_MATCH_SCORE / √r puts a unigram match at COPY_MATCH_SCORE, a bigram at twice it
+                w = torch.cat([nn.init.orthogonal_(torch.empty(r, d)) for _ in range(2)], dim=1)
+                w *= (COPY_MATCH_SCORE / r ** 0.5) ** 0.5
+                self.copy_qt.weight.copy_(w)
+                self.copy_kt.weight.copy_(w)
         if cfg.copy_memory:  # DrafterConfig.copy_memory
             self.copy_beta = nn.Linear(d, 1)  # write strength of each committed feature's value
             self.copy_memory_up = nn.Linear(cfg.copy_head_rank, d, bias=False)
@@ -241,16 +258,34 @@ class HyFlashDrafter(nn.Module):
             masks = masks + self.slot_embedding
         return torch.cat([anchor[..., None, :], masks], dim=-2)
 
-    def copy_keys_values(self, c: torch.Tensor, before: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The copy head's keys and values [B, T, r] of committed features c [B, T, d] (positions n..n+T−1), given
-        the one before them, ``before`` [B, 1, d] (zeros at position 0)."""
-        prev = torch.cat([before.to(c.dtype), c[:, :-1]], dim=1)
-        return self.copy_k(torch.cat([c, prev], dim=-1)), self.copy_v(c)
+    def copy_token_embeddings(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """RMS-normalised token embeddings [.., d] of ids [..] (copy_head_tokens' keys, queries and values)."""
+        e = F.embedding(ids, self.embed_weight).float()
+        return (e * torch.rsqrt(e.pow(2).mean(-1, keepdim=True) + self.config.rms_eps)).to(dtype)
 
-    def copy_query(self, anchor_ids: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
-        """The copy head's queries [B, n, r] of anchors [B, n] and the committed feature before each [B, n, d]."""
+    def copy_keys_values(self, c: torch.Tensor, before: torch.Tensor, e: torch.Tensor | None = None,
+                         e_before: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The copy head's keys and values [B, T, r] of committed features c [B, T, d] (positions n..n+T−1), given
+        the one before them, ``before`` [B, 1, d] (zeros at position 0). With copy_head_tokens also their tokens'
+        normalised embeddings e [B, T, d] and the one before them, ``e_before`` [B, 1, d] (zeros at position 0)."""
+        prev = torch.cat([before.to(c.dtype), c[:, :-1]], dim=1)
+        k, v = self.copy_k(torch.cat([c, prev], dim=-1)), self.copy_v(c)
+        if self.config.copy_head_tokens:
+            e_prev = torch.cat([e_before.to(e.dtype), e[:, :-1]], dim=1)
+            k = k + self.copy_kt(torch.cat([e, e_prev], dim=-1).to(k.dtype))
+            v = v + self.copy_vt(e.to(v.dtype))
+        return k, v
+
+    def copy_query(self, anchor_ids: torch.Tensor, before: torch.Tensor,
+                   e_before: torch.Tensor | None = None) -> torch.Tensor:
+        """The copy head's queries [B, n, r] of anchors [B, n] and the committed feature before each [B, n, d] (with
+        copy_head_tokens also the normalised embedding of the token before each, ``e_before`` [B, n, d])."""
         e = F.embedding(anchor_ids, self.embed_weight).to(before.dtype)
-        return self.copy_q(torch.cat([e, before], dim=-1))
+        q = self.copy_q(torch.cat([e, before], dim=-1))
+        if self.config.copy_head_tokens:
+            ea = self.copy_token_embeddings(anchor_ids, q.dtype)
+            q = q + self.copy_qt(torch.cat([ea, e_before.to(q.dtype)], dim=-1))
+        return q
 
     def copy_read(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, anchors: torch.Tensor,
                   start: int) -> torch.Tensor:
@@ -286,9 +321,14 @@ class HyFlashDrafter(nn.Module):
     def copy_slot_inputs(self, c: torch.Tensor, input_ids: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
         """Training: the copy head's slot inputs [B, n, S, d] at every anchor of a sequence (committed features c of
         positions 0..T−1)."""
-        k, v = self.copy_keys_values(c, c.new_zeros(c.shape[0], 1, c.shape[-1]))
-        before = torch.gather(c, 1, (anchors - 1)[..., None].expand(-1, -1, c.shape[-1]))  # feature a − 1
-        q = self.copy_query(torch.gather(input_ids, 1, anchors), before)
+        zero = c.new_zeros(c.shape[0], 1, c.shape[-1])
+        at = (anchors - 1)[..., None].expand(-1, -1, c.shape[-1])
+        e = e_before = None
+        if self.config.copy_head_tokens:
+            e = self.copy_token_embeddings(input_ids, c.dtype)
+            e_before = torch.gather(e, 1, at)  # token a − 1
+        k, v = self.copy_keys_values(c, zero, e, zero)
+        q = self.copy_query(torch.gather(input_ids, 1, anchors), torch.gather(c, 1, at), e_before)  # feature a − 1
         out = self.copy_read(q, k, v, anchors, 0)
         if self.config.copy_memory:
             S = self.config.block_size

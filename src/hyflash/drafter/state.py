@@ -188,6 +188,10 @@ class DrafterState:
         r = cfg.copy_head_rank
         self.copy_k = self.copy_v = torch.zeros(1, 0, r, dtype=p.dtype, device=p.device)
         self.copy_last = torch.zeros(1, 1, cfg.hidden_size if r else 0, dtype=p.dtype, device=p.device)
+        # copy_head_tokens: the normalised embedding of the last committed token (the next key's and every query's
+        # "token before")
+        self.copy_last_token = torch.zeros(1, 1, cfg.hidden_size if cfg.copy_head_tokens else 0, dtype=p.dtype,
+                                           device=p.device)
         # copy_memory: one delta-rule state per slot, the normalised copy keys of the last S features, and with
         # memory_limit the last N writes (the state is then refolded from zero at each draft, as for the memory)
         S = cfg.block_size if cfg.copy_memory else 0
@@ -207,14 +211,26 @@ class DrafterState:
         self._win_k, self._win_v = [w.k for w in self.windows], [w.v for w in self.windows]  # rings: fixed buffers
 
     @torch.no_grad()
-    def commit(self, features: torch.Tensor) -> None:
-        """Fold verified target features [n, n_layers·D_t] (positions self.n .. self.n+n−1) into the state."""
+    def commit(self, features: torch.Tensor, token_ids=None) -> None:
+        """Fold verified target features [n, n_layers·D_t] (positions self.n .. self.n+n−1) into the state.
+        ``token_ids``: the n tokens at those positions, which a drafter with copy_head_tokens needs (others ignore
+        them)."""
         d = self.drafter
         if self.native is not None and 1 <= features.shape[0] <= 16 and not d.training:
             return self._native_commit(features)
         c, self.lags = d.committed(features.to(self.device)[None], self.lags)  # [1, n, d]
         if d.config.copy_head_rank:
-            k, v = d.copy_keys_values(c, self.copy_last)
+            e = None
+            if d.config.copy_head_tokens:
+                if token_ids is None or len(token_ids) != c.shape[1]:
+                    raise HyflashError(f"this drafter's copy head reads the committed tokens: commit needs the "
+                                       f"{c.shape[1]} token ids of these features, got "
+                                       f"{'none' if token_ids is None else len(token_ids)}")
+                ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device).reshape(1, -1)
+                e = d.copy_token_embeddings(ids, c.dtype)
+            k, v = d.copy_keys_values(c, self.copy_last, e, self.copy_last_token)
+            if e is not None:
+                self.copy_last_token = e[:, -1:]
             keep = d.config.attention_window or self.n + c.shape[1]
             self.copy_k = torch.cat([self.copy_k, k], dim=1)[:, -keep:]
             self.copy_v = torch.cat([self.copy_v, v], dim=1)[:, -keep:]
@@ -310,7 +326,8 @@ class DrafterState:
         S = self._slot_count(slots)
         h = d.slot_inputs(torch.tensor([[anchor]], device=self.device))[0][:, :S]  # [1, S, d]
         if cfg.copy_head_rank:
-            q = d.copy_query(torch.tensor([[anchor]], device=self.device), self.copy_last)
+            q = d.copy_query(torch.tensor([[anchor]], device=self.device), self.copy_last,
+                             self.copy_last_token if cfg.copy_head_tokens else None)
             start = self.n - self.copy_k.shape[1]
             read = d.copy_read(q, self.copy_k, self.copy_v, torch.tensor([[self.n]], device=self.device), start)
             if cfg.copy_memory:
@@ -355,6 +372,7 @@ class DrafterState:
             held = self.drafter.config.attention_window or self.copy_k.shape[1]
             total += 2 * held * self.copy_k.shape[2] * self.copy_k.element_size()
             total += self.copy_last.numel() * self.copy_last.element_size()
+            total += self.copy_last_token.numel() * self.copy_last_token.element_size()
         for t in (self.copy_mem, self.copy_recent_keys):
             total += t.numel() * t.element_size()
         limit = self.drafter.config.memory_limit
