@@ -24,6 +24,7 @@ hyflash report $R/gemma3-cpp-attention-ngram --out reports/gemma3-cpp-attention-
 hyflash report $R/gemma3-floor-distant --out reports/gemma3-floor-distant
 hyflash report $R/smollm2-copy-probe --out reports/smollm2-copy-probe
 hyflash report $R/smollm2-copytok-probe --out reports/smollm2-copytok-probe
+hyflash report $R/smollm2-copytok-slot-probe --out reports/smollm2-copytok-slot-probe
 python benchmarks/compare_eval_runs.py $R/gemma3-gpu-long $R/gemma3-cpp-attention-ngram \
     > $R/gemma3-cpp-attention-ngram/compare_with_gemma3-gpu-long.txt
 
@@ -54,4 +55,6 @@ hyflash training-report $G/hyflash $G/noslot $G/swa $H/hyflash-copyhead $H/noslo
     --at-step 100 --out reports/smollm2-copyhead
 T=$R/smollm2-copytok
 hyflash training-report $G/hyflash $H/hyflash-copyhead $T/hyflash-copytok --at-step 400 --out reports/smollm2-copytok
+hyflash training-report $G/hyflash $G/noslot $T/hyflash-copytok $T/noslot-copytok --at-step 200 \
+    --out reports/smollm2-copytok-noslot
 echo "make_reports: every report rebuilt from reports/runs/"
