@@ -18,6 +18,11 @@ cuts it). The toy is ours; the task is the associative-recall literature's (Zool
     python benchmarks/copy_toy.py --task near --variants hyflash-copy,swa-copy,noslot-copy --steps 600
     python benchmarks/copy_toy.py --task far --variants hyflash-copymem,mem-cut-copymem,swa-copy,hyflash-copy \
         --steps 800
+    python benchmarks/copy_toy.py --task near --variants hyflash-copytok,noslot-copytok,swa-copytok,hyflash-copy \
+        --steps 300 --eval-every 50
+    python benchmarks/copy_toy.py --task far --variants hyflash-copymemtok,hyflash-copymemtok128 --steps 300 \
+        --eval-every 50
+    python benchmarks/copy_toy.py --task far --variants mem-cut-copymemtok128,swa-copytok --steps 150 --eval-every 50
 
 About 0.1 s a step per variant on one core of the 2-core EPYC; results in benchmarks/results/copy_toy_2026-12-02/.
 """
@@ -64,6 +69,10 @@ VARIANTS = {
     "gdn-copymem": dict(variant="hyflash", memory="gdn", copy_head_rank=32, copy_memory=True),
     "mem-cut-copymem": dict(variant="hyflash", copy_head_rank=32, copy_memory=True, memory_limit=64),
     "hyflash-copymem128": dict(variant="hyflash", copy_head_rank=128, copy_memory=True),  # 4x the keys a state holds
+    "hyflash-copymemtok": dict(variant="hyflash", copy_head_rank=32, copy_memory=True, copy_head_tokens=True),
+    "hyflash-copymemtok128": dict(variant="hyflash", copy_head_rank=128, copy_memory=True, copy_head_tokens=True),
+    "mem-cut-copymemtok128": dict(variant="hyflash", copy_head_rank=128, copy_memory=True, copy_head_tokens=True,
+                                  memory_limit=64),
 }
 TOY = dict(num_layers=2, block_size=4, window=64, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
            intermediate_size=128, memory_heads=4, memory_head_dim=16, memory_state_dim=16, vocab_size=512,

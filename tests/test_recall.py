@@ -131,3 +131,7 @@ def test_the_copy_recipes_differ_only_in_the_drafter():
         tok = load_recipe(f"smollm2-copy-{v}-copytok").to_dict()  # the copy head reading the tokens too
         assert {k: x for k, x in tok.items() if k not in ("drafter", "_comment")} == rest["hyflash"]
         assert tok["drafter"] == {**r[v]["drafter"], "copy_head_rank": 64, "copy_head_tokens": True}
+    far = load_recipe("smollm2-copy-hyflash-copymemtok").to_dict()  # ... with its memory, rank 128, for far copies
+    assert {k: x for k, x in far.items() if k not in ("drafter", "_comment")} == rest["hyflash"]
+    assert far["drafter"] == {**r["hyflash"]["drafter"], "copy_head_rank": 128, "copy_head_tokens": True,
+                              "copy_memory": True}
