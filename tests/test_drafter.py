@@ -171,8 +171,12 @@ def test_copy_head_tokens_start_as_an_exact_bigram_lookup():
     w = torch.softmax((q @ k[0, :a - 1].T)[0, 0] * 16 ** -0.5, dim=-1)  # slot 0's weights over t ≤ a − 2
     assert w.argmax() == 11 and w[11] > 0.99  # the bigram match, not the unigram one at 20
     state = DrafterState(d)
+    state.commit(feats[0, :3], ids[0, :3].tolist())
     with pytest.raises(HyflashError, match="token ids"):
-        state.commit(feats[0, :5])
+        state.commit(feats[0, 3:5])
+    with pytest.raises(HyflashError, match="token ids"):
+        state.commit(feats[0, 3:5], [1])
+    assert state.n == 3 and state.copy_k.shape[1] == 3  # the refused commits changed nothing
 
 
 def test_copy_memory_pairs_each_key_with_the_value_j_plus_1_later_however_far_back():

@@ -216,16 +216,16 @@ class DrafterState:
         ``token_ids``: the n tokens at those positions, which a drafter with copy_head_tokens needs (others ignore
         them)."""
         d = self.drafter
+        if d.config.copy_head_tokens and (token_ids is None or len(token_ids) != features.shape[0]):
+            raise HyflashError(f"this drafter's copy head reads the committed tokens: commit needs the "
+                               f"{features.shape[0]} token ids of these features, got "
+                               f"{'none' if token_ids is None else len(token_ids)}")  # before any state changes
         if self.native is not None and 1 <= features.shape[0] <= 16 and not d.training:
             return self._native_commit(features)
         c, self.lags = d.committed(features.to(self.device)[None], self.lags)  # [1, n, d]
         if d.config.copy_head_rank:
             e = None
             if d.config.copy_head_tokens:
-                if token_ids is None or len(token_ids) != c.shape[1]:
-                    raise HyflashError(f"this drafter's copy head reads the committed tokens: commit needs the "
-                                       f"{c.shape[1]} token ids of these features, got "
-                                       f"{'none' if token_ids is None else len(token_ids)}")
                 ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device).reshape(1, -1)
                 e = d.copy_token_embeddings(ids, c.dtype)
             k, v = d.copy_keys_values(c, self.copy_last, e, self.copy_last_token)
