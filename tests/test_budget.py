@@ -56,8 +56,8 @@ def test_computed_target_bytes_equal_what_the_model_holds(make):
 
 
 EXTRAS = {"plain": {}, "lags-copy": dict(context_lags=3, copy_head_rank=4),
-          "copymem": dict(copy_head_rank=4, copy_memory=True),
-          "copytok": dict(copy_head_rank=4, copy_head_tokens=True)}  # the copy memory needs a memory: hyflash only
+          "copymem": dict(copy_head_rank=4, copy_memory=True),  # the copy memory needs a memory: hyflash only
+          "copytok": dict(copy_head_rank=4, copy_head_tokens=True)}
 
 
 @pytest.mark.parametrize("variant,memory,extra", [

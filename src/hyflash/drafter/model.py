@@ -258,10 +258,11 @@ class HyFlashDrafter(nn.Module):
             masks = masks + self.slot_embedding
         return torch.cat([anchor[..., None, :], masks], dim=-2)
 
-    def copy_token_embeddings(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """RMS-normalised token embeddings [.., d] of ids [..] (copy_head_tokens' keys, queries and values)."""
-        e = F.embedding(ids, self.embed_weight).float()
-        return (e * torch.rsqrt(e.pow(2).mean(-1, keepdim=True) + self.config.rms_eps)).to(dtype)
+    def copy_token_embeddings(self, ids: torch.Tensor, dtype: torch.dtype, e: torch.Tensor | None = None):
+        """RMS-normalised token embeddings [.., d] of ids [..] (copy_head_tokens' keys, queries and values); ``e``:
+        their embeddings, when already looked up."""
+        e = F.embedding(ids, self.embed_weight) if e is None else e
+        return F.rms_norm(e.float(), (e.shape[-1],), eps=self.config.rms_eps).to(dtype)
 
     def copy_keys_values(self, c: torch.Tensor, before: torch.Tensor, e: torch.Tensor | None = None,
                          e_before: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -280,10 +281,10 @@ class HyFlashDrafter(nn.Module):
                    e_before: torch.Tensor | None = None) -> torch.Tensor:
         """The copy head's queries [B, n, r] of anchors [B, n] and the committed feature before each [B, n, d] (with
         copy_head_tokens also the normalised embedding of the token before each, ``e_before`` [B, n, d])."""
-        e = F.embedding(anchor_ids, self.embed_weight).to(before.dtype)
-        q = self.copy_q(torch.cat([e, before], dim=-1))
+        e = F.embedding(anchor_ids, self.embed_weight)
+        q = self.copy_q(torch.cat([e.to(before.dtype), before], dim=-1))
         if self.config.copy_head_tokens:
-            ea = self.copy_token_embeddings(anchor_ids, q.dtype)
+            ea = self.copy_token_embeddings(anchor_ids, q.dtype, e)
             q = q + self.copy_qt(torch.cat([ea, e_before.to(q.dtype)], dim=-1))
         return q
 
