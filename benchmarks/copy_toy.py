@@ -23,8 +23,13 @@ cuts it). The toy is ours; the task is the associative-recall literature's (Zool
     python benchmarks/copy_toy.py --task far --variants hyflash-copymemtok,hyflash-copymemtok128 --steps 300 \
         --eval-every 50
     python benchmarks/copy_toy.py --task far --variants mem-cut-copymemtok128,swa-copytok --steps 150 --eval-every 50
+    python benchmarks/copy_toy.py --task far --far-back 256:384 --variants hyflash-copymemtok128,hyflash-copymemtok256 \
+        --steps 300 --eval-every 50
+    python benchmarks/copy_toy.py --task far --far-back 96:184 --length 432 --variants hyflash-copymemtok128 \
+        --steps 300 --eval-every 50
 
-About 0.1 s a step per variant on one core of the 2-core EPYC; results in benchmarks/results/copy_toy_2026-12-02/.
+About 0.1 s a step per variant on one core of the 2-core EPYC (several seconds with the rank-128 and -256 copy
+memories); results in benchmarks/results/copy_toy_2026-12-02/ and copy_toy_2026-12-03/.
 """
 
 import argparse
@@ -71,6 +76,12 @@ VARIANTS = {
     "hyflash-copymem128": dict(variant="hyflash", copy_head_rank=128, copy_memory=True),  # 4x the keys a state holds
     "hyflash-copymemtok": dict(variant="hyflash", copy_head_rank=32, copy_memory=True, copy_head_tokens=True),
     "hyflash-copymemtok128": dict(variant="hyflash", copy_head_rank=128, copy_memory=True, copy_head_tokens=True),
+    "hyflash-copymemtok256": dict(variant="hyflash", copy_head_rank=256, copy_memory=True, copy_head_tokens=True),
+    # ... with its keys DPFP-expanded to 2 x 128 x nu dimensions (DrafterConfig.copy_memory_dpfp)
+    "hyflash-copymemtok128-dpfp2": dict(variant="hyflash", copy_head_rank=128, copy_memory=True, copy_head_tokens=True,
+                                        copy_memory_dpfp=2),
+    "hyflash-copymemtok128-dpfp4": dict(variant="hyflash", copy_head_rank=128, copy_memory=True, copy_head_tokens=True,
+                                        copy_memory_dpfp=4),
     "mem-cut-copymemtok128": dict(variant="hyflash", copy_head_rank=128, copy_memory=True, copy_head_tokens=True,
                                   memory_limit=64),
 }
@@ -79,17 +90,20 @@ TOY = dict(num_layers=2, block_size=4, window=64, hidden_size=64, num_heads=4, n
            target_hidden_size=64, target_layers=[0], context_lag_rank=32)
 
 
-def make_batch(n: int, task: str, g: torch.Generator, L: int = 24, V: int = 512, window: int = 64):
+def make_batch(n: int, task: str, g: torch.Generator, L: int = 24, V: int = 512, window: int = 64,
+               far_back: tuple[int, int] | None = None, T: int | None = None):
     """n sequences [n, T] of random tokens with one copy each, and the copy's [start, end) per sequence (T 192 for
-    near copies, 256 for far ones, whose source lies 96–183 tokens back)."""
-    T = 192 if task == "near" else 256
+    near copies, 256 for far ones, whose source lies 96–183 tokens back; ``far_back`` (lo, hi): far sources lo to
+    hi − 1 tokens back instead, in sequences of ``T`` tokens)."""
+    T = T or (192 if task == "near" else 256)
     ids = torch.randint(V, (n, T), generator=g)
     spans = []
     for i in range(n):
         if task == "near":
             d = int(torch.randint(L + 1, window - 8, (1,), generator=g))
         else:  # the whole source past the window: d - L >= window
-            d = int(torch.randint(window + L + 8, 2 * window + L + 32, (1,), generator=g))
+            lo, hi = far_back or (window + L + 8, 2 * window + L + 32)
+            d = int(torch.randint(lo, hi, (1,), generator=g))
         start = int(torch.randint(d, T - L, (1,), generator=g))
         ids[i, start:start + L] = ids[i, start - d:start - d + L]
         spans.append((start, start + L))
@@ -125,7 +139,23 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eval-every", type=int, default=250)
     ap.add_argument("--layers", type=int, default=TOY["num_layers"], help="drafter layers (chaining a fetch needs depth)")
+    ap.add_argument("--far-back", default=None, metavar="LO:HI",
+                    help="far task: sources LO to HI-1 tokens back (default 96:184, in sequences of 256 tokens)")
+    ap.add_argument("--length", type=int, default=None, help="tokens a sequence (default 192 near, 256 far)")
     args = ap.parse_args()
+    far_back = None
+    if args.far_back:
+        lo, hi = far_back = tuple(int(x) for x in args.far_back.split(":"))
+        if not (TOY["window"] + 24 <= lo < hi):
+            raise SystemExit(f"--far-back {args.far_back}: need {TOY['window'] + 24} <= LO < HI (the whole source "
+                             f"past the window of {TOY['window']})")
+        length = args.length or hi + 48
+        if length < hi + 26:
+            raise SystemExit(f"--length {length}: a copy from up to {hi - 1} tokens back needs at least {hi + 26}")
+    else:
+        length = args.length
+    batch = lambda n, gen: make_batch(n, args.task, gen, far_back=far_back if args.task == "far" else None,
+                                      T=length)
     torch.set_num_threads(1)
     names = args.variants.split(",")
     unknown = [v for v in names if v not in VARIANTS]
@@ -140,16 +170,18 @@ def main():
         opts[v] = torch.optim.AdamW(models[v].parameters(), lr=args.lr, weight_decay=0.01)
     S = TOY["block_size"]
     g_val = torch.Generator().manual_seed(10_000 + args.seed)
-    val_ids, val_spans = make_batch(256, args.task, g_val)
+    val_ids, val_spans = batch(256, g_val)
     val_anchors, val_labels, val_mask = anchors_and_targets(val_ids, val_spans, args.anchors, S, g_val)
-    print(f"{machine_line()} | copy toy, task {args.task}, {args.layers} layers: {args.steps} steps x {args.batch} sequences x "
+    print(f"{machine_line()} | copy toy, task {args.task}"
+          f"{f' (sources {far_back[0]}-{far_back[1] - 1} back)' if far_back and args.task == 'far' else ''}"
+          f"{f', {length} tokens' if length else ''}, {args.layers} layers: {args.steps} steps x {args.batch} sequences x "
           f"{args.anchors} anchors, lr {args.lr}, seed {args.seed}; held-out: 256 sequences, "
           f"{int(val_mask[..., 0].sum())} anchors")
     print("# step " + " ".join(f"{v:>13}" for v in names) + "   (held-out τ̂; block of 4, so at most 5)")
     g = torch.Generator().manual_seed(args.seed)
     t0 = time.time()
     for step in range(1, args.steps + 1):
-        ids, spans = make_batch(args.batch, args.task, g)
+        ids, spans = batch(args.batch, g)
         anchors, labels, mask = anchors_and_targets(ids, spans, args.anchors, S, g)
         feats = F.embedding(ids, emb)
         for v, m in models.items():

@@ -57,12 +57,13 @@ def test_computed_target_bytes_equal_what_the_model_holds(make):
 
 EXTRAS = {"plain": {}, "lags-copy": dict(context_lags=3, copy_head_rank=4),
           "copymem": dict(copy_head_rank=4, copy_memory=True),  # the copy memory needs a memory: hyflash only
+          "copymem-dpfp": dict(copy_head_rank=4, copy_memory=True, copy_memory_dpfp=3),
           "copytok": dict(copy_head_rank=4, copy_head_tokens=True)}
 
 
 @pytest.mark.parametrize("variant,memory,extra", [
     (v, m, e) for v in ("hyflash", "swa", "full") for m in ("mamba2", "gdn") for e in EXTRAS
-    if e != "copymem" or v == "hyflash"])
+    if not e.startswith("copymem") or v == "hyflash"])
 def test_computed_drafter_bytes_equal_the_runtime_state(variant, memory, extra):
     cfg = DrafterConfig(variant=variant, memory=memory, num_layers=2, window=6, hidden_size=32, num_heads=4,
                         num_kv_heads=2, head_dim=8, intermediate_size=64, memory_heads=2, memory_head_dim=8,

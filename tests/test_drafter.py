@@ -43,6 +43,9 @@ VARIANTS = [
     dict(variant="hyflash", memory="mamba2", copy_head_rank=4, copy_head_tokens=True),
     dict(variant="swa", copy_head_rank=4, copy_head_tokens=True),
     dict(variant="hyflash", memory="gdn", copy_head_rank=4, copy_head_tokens=True, copy_memory=True),
+    dict(variant="hyflash", memory="mamba2", copy_head_rank=4, copy_head_tokens=True, copy_memory=True,
+         copy_memory_dpfp=2),
+    dict(variant="hyflash", memory="gdn", copy_head_rank=4, copy_memory=True, copy_memory_dpfp=3, memory_limit=5),
 ]
 
 
@@ -199,6 +202,21 @@ def test_copy_memory_pairs_each_key_with_the_value_j_plus_1_later_however_far_ba
     torch.testing.assert_close(out, v[0, m + 1: m + 1 + S])  # position 2 is 10 back: past the window of 6
     with pytest.raises(HyflashError, match="copy_memory"):
         DrafterConfig(**{**TINY, "variant": "swa", "copy_head_rank": 4, "copy_memory": True})
+
+
+def test_dpfp_copy_memory_keys_are_the_expanded_normalised_keys():
+    """copy_memory_dpfp = ν: the copy memory writes and reads keys of 2·rank·ν dimensions, the DPFP map of the copy
+    key (each ReLU([k, −k]) component times the one i places before it, i = 1..ν), L2-normalised; its state is that
+    many rows by rank."""
+    d = tiny_drafter(copy_head_rank=4, copy_memory=True, copy_memory_dpfp=2)
+    k = torch.tensor([[1.0, -2.0, 0.5, 3.0]], dtype=torch.float64)
+    y = torch.tensor([1.0, 0.0, 0.5, 3.0, 0.0, 2.0, 0.0, 0.0], dtype=torch.float64)  # ReLU([k, -k])
+    expected = torch.cat([y * y[[7, 0, 1, 2, 3, 4, 5, 6]], y * y[[6, 7, 0, 1, 2, 3, 4, 5]]])
+    torch.testing.assert_close(d.copy_memory_key(k)[0], expected / expected.norm())
+    assert d.config.copy_memory_key_dim == 16
+    assert DrafterState(d).copy_mem.shape == (1, d.config.block_size, 16, 4)
+    with pytest.raises(HyflashError, match="copy_memory_dpfp"):
+        DrafterConfig(**{**TINY, "variant": "hyflash", "copy_head_rank": 4, "copy_memory_dpfp": 2})
 
 
 def test_reading_memory_never_changes_the_state():

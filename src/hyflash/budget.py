@@ -140,13 +140,13 @@ class DrafterGeometry:
     @staticmethod
     def _extra_state_bytes(cfg) -> int:
         """What DrafterState keeps besides rings, memories and convs: the last L fused features (context_lags), the
-        last committed feature (copy head) and token's embedding (copy_head_tokens), per slot a rank² fp32 state and
-        the last S normalised keys (copy memory)."""
+        last committed feature (copy head) and token's embedding (copy_head_tokens), per slot a K × rank fp32 state
+        and the last S keys of size K (copy memory; K = copy_memory_key_dim)."""
         total = cfg.context_lags * cfg.hidden_size * 2
         if cfg.copy_head_rank:
             total += cfg.hidden_size * 2 * (1 + cfg.copy_head_tokens)
-        if cfg.copy_memory:
-            total += cfg.block_size * cfg.copy_head_rank * (cfg.copy_head_rank * 4 + 2)
+        if cfg.copy_memory:  # per slot a K × rank fp32 state and the last S keys of size K (bf16)
+            total += cfg.block_size * cfg.copy_memory_key_dim * (cfg.copy_head_rank * 4 + 2)
         return total
 
     def window_kv_bytes(self, context: int) -> float:

@@ -66,6 +66,12 @@ class DrafterConfig:
     # j + 1 later, read with the same query. Needs copy_head_rank and a memory (hyflash); its state is
     # block_size × rank² fp32 however long the context. memory_limit limits it too. Ours, not in the paper.
     copy_memory: bool = False
+    # the copy memory's keys (and its query) expanded from copy_head_rank to 2·rank·ν dimensions by the parameter-free
+    # DPFP map (Schlag, Irie & Schmidhuber 2021) before normalisation, ν = this (0: the rank's own keys): sparser keys
+    # overlap less, so the delta-rule state gives back a write from further back (benchmarks/copy_memory_capacity.py:
+    # rank 128 recalls 47% of writes 128 back and none 256 back; expanded ×4, all at 256 and 89% at 512). Its state is
+    # then block_size × 2·rank·ν × rank fp32. Needs copy_memory.
+    copy_memory_dpfp: int = 0
     draft_vocab_size: int = 0  # >0: the LM head covers only these most frequent target tokens (EAGLE-3's reduced
     #                            draft vocabulary); ids are mapped back to the target's, verification is unchanged
     # geometry
@@ -114,8 +120,15 @@ class DrafterConfig:
             raise HyflashError("copy_head_tokens needs copy_head_rank > 0 (it is a part of the copy head)")
         if self.copy_memory and not (self.copy_head_rank and self.has_memory):
             raise HyflashError("copy_memory needs copy_head_rank > 0 and the hyflash variant (a memory)")
+        if self.copy_memory_dpfp < 0 or (self.copy_memory_dpfp and not self.copy_memory):
+            raise HyflashError("copy_memory_dpfp must be >= 0 and needs copy_memory (it shapes the copy memory's keys)")
         if self.memory_min_half_life <= 0:
             raise HyflashError("memory_min_half_life must be > 0")
+
+    @property
+    def copy_memory_key_dim(self) -> int:
+        """Size of the copy memory's keys: copy_head_rank, or 2·rank·ν with copy_memory_dpfp."""
+        return 2 * self.copy_head_rank * self.copy_memory_dpfp if self.copy_memory_dpfp else self.copy_head_rank
 
     @property
     def has_memory(self) -> bool:

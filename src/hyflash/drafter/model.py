@@ -161,6 +161,13 @@ class DrafterLayer(nn.Module):
         return h + self.mlp(self.mlp_norm(h))
 
 
+
+def dpfp(x: torch.Tensor, nu: int) -> torch.Tensor:
+    """Deterministic parameter-free projection (Schlag, Irie & Schmidhuber 2021, "Linear Transformers Are Secretly
+    Fast Weight Programmers"): [.., r] → [.., 2·r·ν], ReLU([x, −x]) times itself rolled by 1..ν, concatenated."""
+    y = F.relu(torch.cat([x, -x], dim=-1))
+    return torch.cat([y * torch.roll(y, shifts=i, dims=-1) for i in range(1, nu + 1)], dim=-1)
+
 class HyFlashDrafter(nn.Module):
     """The drafter. ``embed_weight`` / ``head_weight`` are the target's input embedding and LM head (frozen,
     shared, never saved with the drafter)."""
@@ -308,13 +315,20 @@ class HyFlashDrafter(nn.Module):
             reads.append(torch.einsum("bnm,bmr->bnr", w, later))
         return self.copy_up(torch.stack(reads, dim=2))
 
+    def copy_memory_key(self, x: torch.Tensor) -> torch.Tensor:
+        """A copy key or query [.., r] as the copy memory writes or reads it: L2-normalised, after the DPFP expansion
+        to [.., 2·r·ν] with copy_memory_dpfp = ν."""
+        nu = self.config.copy_memory_dpfp
+        return F.normalize(dpfp(x, nu) if nu else x, dim=-1)
+
     def copy_memory_inputs(self, c: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recent: torch.Tensor):
         """The copy memory's writes for committed features c [B, T, d] (positions n..n+T−1) with copy keys and values
-        k, v [B, T, r], given ``recent`` [B, S, r], the L2-normalised copy keys of positions n−S..n−1 (zeros before
-        position 0). Head j of position p pairs the key of feature p − 1 − j with the value of feature p: → keys,
-        values [B, T, S, r], log-decays (zeros) and write strengths [B, T, S], and the new ``recent``."""
+        k, v [B, T, r], given ``recent`` [B, S, K], the memory keys (``copy_memory_key``) of positions n−S..n−1 (zeros
+        before position 0). Head j of position p pairs the key of feature p − 1 − j with the value of feature p: →
+        keys [B, T, S, K], values [B, T, S, r], log-decays (zeros) and write strengths [B, T, S], and the new
+        ``recent``."""
         S, T = self.config.block_size, c.shape[1]
-        stream = torch.cat([recent.to(k.dtype), F.normalize(k, dim=-1)], dim=1)  # positions n−S .. n+T−1
+        stream = torch.cat([recent.to(k.dtype), self.copy_memory_key(k)], dim=1)  # positions n−S .. n+T−1
         keys = torch.stack([stream[:, S - 1 - j: S - 1 - j + T] for j in range(S)], dim=2)
         beta = torch.sigmoid(self.copy_beta(c)).expand(-1, -1, S)
         return keys, v[:, :, None].expand(-1, -1, S, -1), torch.zeros_like(beta), beta, stream[:, -S:]
@@ -333,9 +347,10 @@ class HyFlashDrafter(nn.Module):
         out = self.copy_read(q, k, v, anchors, 0)
         if self.config.copy_memory:
             S = self.config.block_size
-            keys, vals, g, beta, _ = self.copy_memory_inputs(c, k, v, k.new_zeros(k.shape[0], S, k.shape[-1]))
+            K = self.config.copy_memory_key_dim
+            keys, vals, g, beta, _ = self.copy_memory_inputs(c, k, v, k.new_zeros(k.shape[0], S, K))
             f = _state_dtype(q.dtype)
-            qn = F.normalize(q, dim=-1)[:, None].expand(-1, S, -1, -1)  # [B, S, n, r]: head j = slot j
+            qn = self.copy_memory_key(q)[:, None].expand(-1, S, -1, -1)  # [B, S, n, K]: head j = slot j
             y = mem.read_at("gdn", keys.to(f), vals.to(f), g.to(f), qn.to(f), anchors, beta=beta.to(f),
                             limit=self.config.memory_limit)
             out = out + self.copy_memory_up(y.transpose(1, 2).to(q.dtype))

@@ -195,8 +195,9 @@ class DrafterState:
         # copy_memory: one delta-rule state per slot, the normalised copy keys of the last S features, and with
         # memory_limit the last N writes (the state is then refolded from zero at each draft, as for the memory)
         S = cfg.block_size if cfg.copy_memory else 0
-        self.copy_mem = mem.init_state(1, S, r, r, dtype=self.state_dtype, device=p.device)
-        self.copy_recent_keys = torch.zeros(1, S, r, dtype=p.dtype, device=p.device)
+        K = cfg.copy_memory_key_dim  # r, or 2·r·ν with copy_memory_dpfp
+        self.copy_mem = mem.init_state(1, S, K, r, dtype=self.state_dtype, device=p.device)
+        self.copy_recent_keys = torch.zeros(1, S, K, dtype=p.dtype, device=p.device)
         self.copy_writes = None
         for layer in drafter.layers:
             m = layer.memory
@@ -334,7 +335,7 @@ class DrafterState:
                 state = self.copy_mem
                 if self.copy_writes is not None:  # memory_limit: the last N writes, folded from zero
                     state = mem.step("gdn", torch.zeros_like(state), *self.copy_writes[:3], self.copy_writes[3])
-                y = mem.read(state, F.normalize(q, dim=-1)[:, None].expand(-1, state.shape[1], -1, -1).to(state.dtype))
+                y = mem.read(state, d.copy_memory_key(q)[:, None].expand(-1, state.shape[1], -1, -1).to(state.dtype))
                 read = read + d.copy_memory_up(y.transpose(1, 2).to(q.dtype))
             h = h + read[0, :, :S].to(h.dtype)
         cos, sin = rope_tables(torch.arange(self.n, self.n + S, device=self.device), cfg.head_dim, cfg.rope_theta,
