@@ -164,7 +164,7 @@ def positions(T, chunk, Q_extra, seed):
     return torch.tensor(sorted(fixed) + rand)
 
 
-KIND_FORMS = [("mamba2", "chunked"), ("mamba2", "quadratic"), ("gdn", "chunked")]
+KIND_FORMS = [("mamba2", "chunked"), ("mamba2", "quadratic"), ("gdn", "chunked"), ("gdn", "quadratic")]
 
 
 @pytest.mark.parametrize("kind,form", KIND_FORMS)
@@ -266,7 +266,7 @@ def test_bad_arguments_raise():
     with pytest.raises(ValueError):
         memory.read_at("gdn", k, v, g, q, torch.tensor([0, 1]), beta, limit=-1)
     with pytest.raises(ValueError):
-        memory.read_at("gdn", k, v, g, q, torch.tensor([0, 1]), beta, form="quadratic")  # mamba2 only
+        memory.read_at("gdn", k, v, g, q, torch.tensor([0, 1]), beta, form="square")
 
 
 @pytest.mark.parametrize("kind,form", KIND_FORMS)

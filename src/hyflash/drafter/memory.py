@@ -162,7 +162,7 @@ def chunked(kind: str, k: Tensor, v: Tensor, g: Tensor, beta: Tensor | None = No
     return states.transpose(1, 2), final
 
 
-QUADRATIC_MAX = 1 << 26  # mamba2 training reads use the quadratic form up to B·H·Q·T elements
+QUADRATIC_MAX = 1 << 26  # ungrouped training reads use the quadratic form up to B·H·Q·T elements
 
 
 def read_at(kind: str, k: Tensor, v: Tensor, g: Tensor, q: Tensor, q_pos: Tensor, beta: Tensor | None = None,
@@ -175,9 +175,10 @@ def read_at(kind: str, k: Tensor, v: Tensor, g: Tensor, q: Tensor, q_pos: Tensor
     k [B,T,H,dk], v [B,T,H,dv], g [B,T,H], beta [B,T,H] or None, q [B,H,Q,dk],
     q_pos LongTensor [Q] (shared over the batch) or [B,Q] with values in [0, T]. Returns [B,H,Q,dv].
     limit=N: the memory of query i holds only features max(0, p-N)..p-1, folded from a zero state.
-    form: "chunked" (above), "quadratic" (mamba2 only: o_i = Σ_{j<p} exp(Σ_{j<t<p} g_t)(k_jᵀq_i) v_j, the SSD dual form,
-    O(Q·T), faster on CPU than the chunked form for ungrouped queries), or "auto" (quadratic for ungrouped mamba2
-    queries up to QUADRATIC_MAX elements, chunked otherwise).
+    form: "chunked" (above), "quadratic" (o_i = Σ_{j<p} exp(Σ_{j<t<p} g_t)(k_jᵀq_i) u_j, the SSD dual form, O(Q·T); for
+    gdn with the transformed values u of the chunked scan, since (*) chained over chunks makes every state such a sum;
+    faster on CPU than the chunked form for ungrouped queries, which would each gather a dk × dv state), or "auto"
+    (quadratic for ungrouped queries up to QUADRATIC_MAX elements, chunked otherwise).
     group=G: consecutive runs of G queries share one position (a drafting block's slots all read the state at their
     anchor); the quadratic form then builds its decay weights once per run instead of once per query.
     """
@@ -202,10 +203,13 @@ def read_at(kind: str, k: Tensor, v: Tensor, g: Tensor, q: Tensor, q_pos: Tensor
             return _read_at_limited(kind, k, v, g, q, pos, beta, chunk, limit, group)
     if T == 0:
         return q.new_zeros(B, H, Q, v.shape[-1])
-    if form not in ("auto", "chunked", "quadratic") or (form == "quadratic" and kind != "mamba2"):
-        raise ValueError(f"form must be auto, chunked or (mamba2 only) quadratic; got {form!r} for {kind}")
-    if kind == "mamba2" and (form == "quadratic" or (form == "auto" and group == 1 and B * H * Q * T <= QUADRATIC_MAX)):
-        return _read_at_limited(kind, k, v, g, q, pos, beta, chunk, T, group)  # a window of T holds every prefix
+    if form not in ("auto", "chunked", "quadratic"):
+        raise ValueError(f"form must be auto, chunked or quadratic; got {form!r}")
+    if form == "quadratic" or (form == "auto" and group == 1 and B * H * Q * T <= QUADRATIC_MAX):
+        if kind == "gdn":  # the values each feature's write adds, u_j, from the scan: then the sum is mamba2's
+            U = _scan(kind, k, v, g, beta, None, chunk)[3]                # [B, H, n_chunks, L, dv]
+            v = U.flatten(2, 3)[:, :, :T].movedim(1, 2)                   # [B, T, H, dv]
+        return _read_at_limited("mamba2", k, v, g, q, pos, None, chunk, T, group)  # a window of T holds every prefix
 
     states, final, K, U, G = _scan(kind, k, v, g, beta, None, chunk)
     L, n_chunks, n = chunk, K.shape[2], Q // group
