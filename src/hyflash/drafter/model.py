@@ -161,12 +161,12 @@ class DrafterLayer(nn.Module):
         return h + self.mlp(self.mlp_norm(h))
 
 
-
 def dpfp(x: torch.Tensor, nu: int) -> torch.Tensor:
     """Deterministic parameter-free projection (Schlag, Irie & Schmidhuber 2021, "Linear Transformers Are Secretly
     Fast Weight Programmers"): [.., r] → [.., 2·r·ν], ReLU([x, −x]) times itself rolled by 1..ν, concatenated."""
     y = F.relu(torch.cat([x, -x], dim=-1))
     return torch.cat([y * torch.roll(y, shifts=i, dims=-1) for i in range(1, nu + 1)], dim=-1)
+
 
 class HyFlashDrafter(nn.Module):
     """The drafter. ``embed_weight`` / ``head_weight`` are the target's input embedding and LM head (frozen,
