@@ -69,8 +69,8 @@ class DrafterConfig:
     # the copy memory's keys (and its query) expanded from copy_head_rank to 2·rank·ν dimensions by the parameter-free
     # DPFP map (Schlag, Irie & Schmidhuber 2021) before normalisation, ν = this (0: the rank's own keys): sparser keys
     # overlap less, so the delta-rule state gives back a write from further back (benchmarks/copy_memory_capacity.py:
-    # rank 128 recalls 47% of writes 128 back and none 256 back; expanded ×4, all at 256 and 89% at 512). Its state is
-    # then block_size × 2·rank·ν × rank fp32. Needs copy_memory.
+    # at write strength 1, rank 128 recalls 47% of writes 128 back and none 256 back; expanded ×4, all at 256 and 89%
+    # at 512). Its state is then block_size × 2·rank·ν × rank fp32. Needs copy_memory.
     copy_memory_dpfp: int = 0
     draft_vocab_size: int = 0  # >0: the LM head covers only these most frequent target tokens (EAGLE-3's reduced
     #                            draft vocabulary); ids are mapped back to the target's, verification is unchanged
