@@ -154,8 +154,7 @@ def main():
             raise SystemExit(f"--length {length}: a copy from up to {hi - 1} tokens back needs at least {hi + 26}")
     else:
         length = args.length
-    batch = lambda n, gen: make_batch(n, args.task, gen, far_back=far_back if args.task == "far" else None,
-                                      T=length)
+    batch = lambda n, gen: make_batch(n, args.task, gen, far_back=far_back, T=length)  # near copies ignore far_back
     torch.set_num_threads(1)
     names = args.variants.split(",")
     unknown = [v for v in names if v not in VARIANTS]

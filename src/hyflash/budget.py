@@ -145,7 +145,7 @@ class DrafterGeometry:
         total = cfg.context_lags * cfg.hidden_size * 2
         if cfg.copy_head_rank:
             total += cfg.hidden_size * 2 * (1 + cfg.copy_head_tokens)
-        if cfg.copy_memory:  # per slot a K × rank fp32 state and the last S keys of size K (bf16)
+        if cfg.copy_memory:
             total += cfg.block_size * cfg.copy_memory_key_dim * (cfg.copy_head_rank * 4 + 2)
         return total
 
