@@ -297,3 +297,56 @@ def test_chunked_gradcheck(kind):
         return memory.chunked(kind, k, v, g, beta, S0=S0, chunk=4)
 
     assert torch.autograd.gradcheck(f, leaves)
+
+
+def delayed_inputs(B, T, H, dk, dv, Q, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    stream = F.normalize(torch.randn(B, T + H - 1, dk, generator=gen, dtype=torch.float64), dim=-1)
+    v = torch.randn(B, T, dv, generator=gen, dtype=torch.float64)
+    beta = torch.sigmoid(torch.randn(B, T, generator=gen, dtype=torch.float64))
+    q = torch.randn(B, Q, dk, generator=gen, dtype=torch.float64)
+    pos = torch.randint(0, T + 1, (B, Q), generator=gen)
+    return [x.to(dtype) for x in (stream, v, beta, q)] + [pos]
+
+
+def delayed_per_head(stream, v, beta, q, H):
+    """The per-head inputs of read_at that read_at_delayed stands for: head h's key at p is stream[p + H − 1 − h]."""
+    B, T = v.shape[:2]
+    keys = torch.stack([stream[:, H - 1 - h: H - 1 - h + T] for h in range(H)], 2)  # [B, T, H, dk]
+    return (keys, v[:, :, None].expand(-1, -1, H, -1), torch.zeros(B, T, H, dtype=v.dtype), q[:, None].expand(-1, H, -1, -1),
+            beta[..., None].expand(-1, -1, H))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("T,H,chunk", [(45, 3, 8), (48, 7, 16), (5, 7, 64), (1, 2, 4)])
+def test_read_at_delayed_matches_the_recurrence_of_each_head(dtype, T, H, chunk):
+    stream, v, beta, q, pos = delayed_inputs(2, T, H, 6, 4, 9, dtype, seed=21)
+    pos[0, :2] = torch.tensor([0, T])  # the empty state and the whole sequence
+    k, vh, g, qh, bh = delayed_per_head(stream, v, beta, q, H)
+    expected = read_ref(reference_states("gdn", k, vh, g, bh), qh, pos)
+    o = memory.read_at_delayed(stream, v, beta, q, pos, H, chunk=chunk)
+    assert o.shape == (2, H, 9, 4) and o.dtype == dtype
+    assert rel_err(o, expected) < TOL[dtype]
+    assert not o[0, :, 0].any(), "p = 0 reads the empty state"
+    # the heads differ: each reads its own delay
+    assert rel_err(o[:, 0], o[:, 1]) > 1e-2
+
+
+def test_read_at_delayed_gradients_match_read_at():
+    stream, v, beta, q, pos = delayed_inputs(1, 11, 3, 3, 2, 5, torch.float64, seed=22)
+    leaves = [x.clone().requires_grad_() for x in (stream, v, beta, q)]
+    assert torch.autograd.gradcheck(lambda s, v, b, q: memory.read_at_delayed(s, v, b, q, pos, 3, chunk=4), leaves)
+    out = memory.read_at_delayed(*leaves, pos, 3, chunk=4)
+    w = torch.randn_like(out)
+    grads = torch.autograd.grad((out * w).sum(), leaves)
+    ref_leaves = [x.detach().clone().requires_grad_() for x in (stream, v, beta, q)]
+    k, vh, g, qh, bh = delayed_per_head(*ref_leaves, 3)
+    ref = memory.read_at("gdn", k, vh, g, qh, pos, bh, chunk=4, form="chunked")
+    for a, b in zip(grads, torch.autograd.grad((ref * w).sum(), ref_leaves)):
+        torch.testing.assert_close(a, b)
+
+
+def test_read_at_delayed_rejects_mismatched_shapes():
+    stream, v, beta, q, pos = delayed_inputs(1, 10, 3, 4, 2, 5, torch.float64, seed=23)
+    with pytest.raises(ValueError, match="do not fit 4 heads"):
+        memory.read_at_delayed(stream, v, beta, q, pos, 4)

@@ -104,9 +104,15 @@ def _to_chunks(x: Tensor, L: int) -> Tensor:
     return x.reshape(*x.shape[:2], n_chunks, L, *x.shape[3:])
 
 
-def _scan(kind: str, k: Tensor, v: Tensor, g: Tensor, beta: Tensor | None, S0: Tensor | None, chunk: int):
-    """Chunked form. Returns (states [B,H,n_chunks,dk,dv] before each chunk, final [B,H,dk,dv],
-    K [B,H,n_chunks,L,dk], U [B,H,n_chunks,L,dv] (v for mamba2, the transformed u for gdn), G [B,H,n_chunks,L])."""
+def _scan(kind: str, k: Tensor, v: Tensor, g: Tensor, beta: Tensor | None, S0: Tensor | None, chunk: int,
+          keep_states: bool = True):
+    """Chunked form. Returns (states [B,H,n_chunks,dk,dv] before each chunk, or None without ``keep_states``,
+    final [B,H,dk,dv], K [B,H,n_chunks,L,dk], U [B,H,n_chunks,L,dv] (v for mamba2, the transformed u for gdn),
+    G [B,H,n_chunks,L]).
+
+    The chunk loop takes its per-chunk operands from ``unbind``, whose backward stacks the gradients once; indexing
+    a chunk out of the whole tensor instead makes autograd build (and zero-fill) a whole-tensor gradient per chunk,
+    which dominated the backward pass for large keys."""
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
     B, T, H, dk = k.shape
@@ -132,15 +138,23 @@ def _scan(kind: str, k: Tensor, v: Tensor, g: Tensor, beta: Tensor | None, S0: T
 
     S = torch.zeros(B, H, dk, dv, dtype=k.dtype, device=k.device) if S0 is None else S0
     states, us = [], []
+    decays = decay_total.unbind(2)
+    if kind == "gdn":
+        U0s, Ws, KdTs = U0.unbind(2), W.unbind(2), Kd.transpose(-1, -2).unbind(2)
+    else:
+        increments = increment.unbind(2)
     for c in range(n_chunks):                                         # inter-chunk state passing
-        states.append(S)
+        if keep_states:
+            states.append(S)
         if kind == "gdn":
-            u = U0[:, :, c] - W[:, :, c - w0] @ S if c >= w0 else U0[:, :, c]  # U = U₀ − W S_0
+            u = U0s[c] - Ws[c - w0] @ S if c >= w0 else U0s[c]        # U = U₀ − W S_0
             us.append(u)
-            S = decay_total[:, :, c] * S + Kd[:, :, c].transpose(-1, -2) @ u
+            S = decays[c] * S + KdTs[c] @ u
         else:
-            S = decay_total[:, :, c] * S + increment[:, :, c]
-    if n_chunks:
+            S = decays[c] * S + increments[c]
+    if not keep_states:
+        states = None
+    elif n_chunks:
         states = torch.stack(states, 2)
     else:
         states = S.new_zeros(B, H, 0, dk, dv)
@@ -207,7 +221,7 @@ def read_at(kind: str, k: Tensor, v: Tensor, g: Tensor, q: Tensor, q_pos: Tensor
         raise ValueError(f"form must be auto, chunked or quadratic; got {form!r}")
     if form == "quadratic" or (form == "auto" and group == 1 and B * H * Q * T <= QUADRATIC_MAX):
         if kind == "gdn":  # the values each feature's write adds, u_j, from the scan: then the sum is mamba2's
-            U = _scan(kind, k, v, g, beta, None, chunk)[3]                # [B, H, n_chunks, L, dv]
+            U = _scan(kind, k, v, g, beta, None, chunk, keep_states=False)[3]  # [B, H, n_chunks, L, dv]
             v = U.flatten(2, 3)[:, :, :T].movedim(1, 2)                   # [B, T, H, dv]
         return _read_at_limited("mamba2", k, v, g, q, pos, None, chunk, T, group)  # a window of T holds every prefix
 
@@ -232,6 +246,53 @@ def read_at(kind: str, k: Tensor, v: Tensor, g: Tensor, q: Tensor, q_pos: Tensor
     w = (Gr[..., None] - Gc).masked_fill(~before, float("-inf")).exp()
     scores = (q5 @ Kc.transpose(-1, -2)) * w[..., None, :]            # (γ_r/γ_j) k_jᵀ q   [B, H, n, group, L]
     return (o + scores @ Uc).view(B, H, Q, -1)
+
+
+def read_at_delayed(stream: Tensor, v: Tensor, beta: Tensor, q: Tensor, q_pos: Tensor, heads: int,
+                    chunk: int = 64) -> Tensor:
+    """``read_at("gdn", …)`` without decay for heads that write one key stream at different delays, as the copy
+    memory does: head h writes, at position p, the key ``stream[p + heads − 1 − h]`` with the value v_p and strength
+    β_p (shared by all heads), and every head is read by the same query. Equal to ``read_at`` on the per-head keys
+    (tested), but the per-head work is only what the recurrence needs:
+
+    - the read's scores q_i·k are one product with the stream, shifted per head, instead of one per head;
+    - with T_c = (I + A)⁻¹ of each chunk, U = T_c diag(β) V − T_c diag(β) (K S_0): K S_0 replaces the W S_0 of
+      ``_scan``, so no dk-wide triangular solve and no W tensor (the gdn UT form with γ = 1).
+
+    stream [B, T + heads − 1, dk] (L2-normalised keys), v [B, T, dv], beta [B, T], q [B, Q, dk], q_pos LongTensor
+    [B, Q] with values in [0, T]. Returns [B, heads, Q, dv]: head h's state after writes 0..p−1 read by q_i."""
+    B, T, dv = v.shape
+    H, L, dk = heads, chunk, stream.shape[-1]
+    if stream.shape[:2] != (B, T + H - 1) or beta.shape != (B, T) or q.shape[0] != B or q_pos.shape != q.shape[:2]:
+        raise ValueError(f"read_at_delayed: stream {tuple(stream.shape)}, v {tuple(v.shape)}, beta {tuple(beta.shape)}, "
+                         f"q {tuple(q.shape)}, q_pos {tuple(q_pos.shape)} do not fit {H} heads")
+    if T == 0:
+        return q.new_zeros(B, H, q.shape[1], dv)
+    n_chunks = -(-T // L)
+    pad = n_chunks * L - T                                            # zero writes at the end change nothing
+    offsets = [H - 1 - h for h in range(H)]
+    keys = torch.stack([stream[:, o: o + T] for o in offsets], 1)     # [B, H, T, dk]
+    Kc = F.pad(keys, (0, 0, 0, pad)).view(B, H, n_chunks, L, dk)
+    Vb = F.pad((beta[..., None] * v), (0, 0, 0, pad)).view(B, 1, n_chunks, L, dv)  # diag(β) V
+    Bc = F.pad(beta, (0, pad)).view(B, 1, n_chunks, L)
+    strict = torch.ones(L, L, dtype=torch.bool, device=v.device).tril(-1)
+    A = (Bc[..., :, None] * (Kc @ Kc.transpose(-1, -2))).masked_fill(~strict, 0.0)  # β_i k_iᵀ k_j, j < i
+    eye = torch.eye(L, dtype=A.dtype, device=A.device)
+    Tc = torch.linalg.solve_triangular(A + eye, eye.expand_as(A), upper=False, unitriangular=True)  # (I + A)⁻¹
+    U0 = Tc @ Vb                                                      # [B, H, n_chunks, L, dv]
+    TB = Tc * Bc[..., None, :]                                        # T_c diag(β)
+    S = None
+    us = []
+    for c, (u0, tb, k) in enumerate(zip(U0.unbind(2), TB.unbind(2), Kc.unbind(2))):
+        u = u0 if S is None else u0 - tb @ (k @ S)
+        us.append(u)
+        S = k.transpose(-1, -2) @ u if S is None else S + k.transpose(-1, -2) @ u
+    U = torch.stack(us, 2).flatten(2, 3)[:, :, :T]                    # [B, H, T, dv]: what each write adds
+    scores = q @ stream.transpose(-1, -2)                             # [B, Q, T + H − 1]: q_i · stream[m]
+    idx = torch.arange(T, device=v.device)
+    per_head = torch.stack([scores[..., o: o + T] for o in offsets], 1)  # [B, H, Q, T]: q_i · k_p of head h
+    before = idx < q_pos.to(device=v.device, dtype=torch.long)[..., None]  # p < position of query i  [B, Q, T]
+    return per_head.masked_fill(~before[:, None], 0.0) @ U
 
 
 def _read_at_limited(kind: str, k: Tensor, v: Tensor, g: Tensor, q: Tensor, pos: Tensor, beta: Tensor | None,

@@ -348,11 +348,16 @@ class HyFlashDrafter(nn.Module):
         if self.config.copy_memory:
             S = self.config.block_size
             K = self.config.copy_memory_key_dim
-            keys, vals, g, beta, _ = self.copy_memory_inputs(c, k, v, k.new_zeros(k.shape[0], S, K))
             f = _state_dtype(q.dtype)
-            qn = self.copy_memory_key(q)[:, None].expand(-1, S, -1, -1)  # [B, S, n, K]: head j = slot j
-            y = mem.read_at("gdn", keys.to(f), vals.to(f), g.to(f), qn.to(f), anchors, beta=beta.to(f),
-                            limit=self.config.memory_limit)
+            if self.config.memory_limit is None:  # the heads' keys are one stream at delays 1..S: read it once
+                stream = torch.cat([k.new_zeros(k.shape[0], S, K), self.copy_memory_key(k)], dim=1)[:, :-1]
+                beta = torch.sigmoid(self.copy_beta(c)).squeeze(-1)  # as copy_memory_inputs, shared by the heads
+                y = mem.read_at_delayed(stream.to(f), v.to(f), beta.to(f), self.copy_memory_key(q).to(f), anchors, S)
+            else:
+                keys, vals, g, beta, _ = self.copy_memory_inputs(c, k, v, k.new_zeros(k.shape[0], S, K))
+                qn = self.copy_memory_key(q)[:, None].expand(-1, S, -1, -1)  # [B, S, n, K]: head j = slot j
+                y = mem.read_at("gdn", keys.to(f), vals.to(f), g.to(f), qn.to(f), anchors, beta=beta.to(f),
+                                limit=self.config.memory_limit)
             out = out + self.copy_memory_up(y.transpose(1, 2).to(q.dtype))
         return out
 
