@@ -148,6 +148,10 @@ def test_recipe_fields_are_overridden_from_the_command_line():
         apply_overrides(cfg, ["batch_size=3"])
     with pytest.raises(HyflashError, match="FIELD=VALUE"):
         apply_overrides(cfg, ["batch_seqs"])
+    for bad in ("eval_every=0", "ckpt_every=0", "keep_checkpoints=-1"):  # checked up front, not a crash at step 1
+        with pytest.raises(HyflashError, match=bad.split("=")[0] + ".* must be >="):
+            apply_overrides(cfg, [bad])
+    assert apply_overrides(cfg, ["keep_checkpoints=0"]).keep_checkpoints == 0  # keeps them all
 
 
 @pytest.mark.parametrize("fast", [True, False], ids=["bf16-cpu", "avx2-cpu"])

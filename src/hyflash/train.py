@@ -87,7 +87,7 @@ class TrainConfig:
     seed: int = 0  # anchors, crops and the data order
     split_seed: int = 0  # which sequences are held out: the same for every stage and seed unless changed
     ckpt_every: int = 250
-    keep_checkpoints: int = 2
+    keep_checkpoints: int = 2  # the newest N checkpoints are kept (0: all of them)
     eval_every: int = 250
     threads: int = 0  # torch CPU threads per process (0: torch's default)
     device: str = "cpu"  # where the drafter (and an online target) runs: cpu | cuda | cuda:N | auto (cuda if present)
@@ -102,6 +102,10 @@ class TrainConfig:
             raise HyflashError("kl_weight must be in [0, 1]")
         if self.steps < 1 or self.batch_seqs < 1 or self.anchors_per_seq < 1:
             raise HyflashError("steps, batch_seqs and anchors_per_seq must be >= 1")
+        if self.ckpt_every < 1 or self.eval_every < 1:
+            raise HyflashError("ckpt_every and eval_every must be >= 1 (a value above steps means only at the end)")
+        if self.keep_checkpoints < 0:
+            raise HyflashError("keep_checkpoints must be >= 0 (0 keeps every checkpoint)")
         if self.bf16 not in (True, False, "auto"):
             raise HyflashError(f"bf16 must be true, false or \"auto\", not {self.bf16!r}")
         if any(not isinstance(w, int) or w < 0 for w in self.kind_weights.values()):
