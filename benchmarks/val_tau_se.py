@@ -20,6 +20,13 @@ for every run, so that all are scored on the same held-out blocks with the same 
 
     python benchmarks/val_tau_se.py --data /work/data/gemma/features --anchors 64 --target gemma3-270m \
         /work/runs/gemma-hyflash-s2 /work/runs/gpu/gemma3-gpu2/hyflash
+
+``--paired`` scores every run on the same held-out blocks in one pass (the first run's recipe decides the data and
+anchors) and reports each run's difference from the first with its paired standard error: the SE of the mean of
+per-anchor differences, much smaller than either run's own when two drafters share most of their weights (a
+drafter against its own memory cut to the window).
+
+    python benchmarks/val_tau_se.py --paired --data …/feat/far /work/runs/dp600 /work/runs/dp600-cut
 """
 
 import argparse
@@ -30,7 +37,8 @@ import torch
 from common import machine_line
 from hyflash.drafter.model import from_pretrained
 from hyflash.target import Target
-from hyflash.train import MixedStore, TrainConfig, check_store, evaluate, open_store, part_indices, split_store
+from hyflash.train import (MixedStore, TrainConfig, check_store, evaluate, evaluate_many, open_store, part_indices,
+                           split_store)
 
 
 def main():
@@ -40,9 +48,12 @@ def main():
     p.add_argument("--anchors", type=int, default=None, help="held-out anchors per sequence for every run")
     p.add_argument("--seq-len", type=int, default=None, help="held-out crop length for every run")
     p.add_argument("--target", default=None, help="the target for every run (instead of each run's own)")
+    p.add_argument("--paired", action="store_true", help="each run against the first on the same blocks, paired SE")
     args = p.parse_args()
     torch.set_num_threads(1)
     print(machine_line())
+    if args.paired:
+        return paired(args)
     print("run  store  val_tau  standard_error  anchors")
     for run in args.runs:
         cfg = TrainConfig.from_dict(json.load(open(f"{run}/train_config.json")))
@@ -61,6 +72,36 @@ def main():
         for name, v in zip(names, parts):
             r = evaluate(drafter, store, v, cfg)
             print(f"{run}  {name}  {r['val_tau']:.4f}  {r['val_tau_se']:.4f}  {r['val_anchors']}")
+
+
+def setup(run, args):
+    cfg = TrainConfig.from_dict(json.load(open(f"{run}/train_config.json")))
+    if args.data:
+        cfg.data = args.data[0] if len(args.data) == 1 else args.data
+    cfg.anchors_per_seq = args.anchors or cfg.anchors_per_seq
+    cfg.seq_len = args.seq_len or cfg.seq_len
+    cfg.target = args.target or cfg.target
+    return cfg
+
+
+def paired(args):
+    cfg = setup(args.runs[0], args)
+    target = Target.load(cfg.target, "bf16", feature_layers=cfg.drafter.target_layers)
+    store = open_store(cfg.data)
+    check_store(store, target, cfg)
+    _, val = split_store(store, cfg)
+    drafters = [from_pretrained(f"{run}/final", target, dtype=torch.float32) for run in args.runs]
+    parts = part_indices(store, val) if isinstance(store, MixedStore) else [val]
+    names = cfg.data if isinstance(cfg.data, list) else [cfg.data]
+    print(f"run  store  val_tau  standard_error  anchors  minus_{args.runs[0]}  paired_standard_error")
+    for name, v in zip(names, parts):
+        rs = evaluate_many(drafters, store, v, cfg, per_anchor=True)
+        base = rs[0]["val_prefixes"]
+        for run, r in zip(args.runs, rs):
+            d = r["val_prefixes"] - base
+            se = float(d.std() / len(d) ** 0.5) if len(d) > 1 else 0.0
+            print(f"{run}  {name}  {r['val_tau']:.4f}  {r['val_tau_se']:.4f}  {r['val_anchors']}  "
+                  f"{float(d.mean()):+.4f}  {se:.4f}")
 
 
 if __name__ == "__main__":

@@ -652,3 +652,27 @@ def test_per_slot_vectors_do_not_decay_like_the_vectors_they_stand_in_for():
     for p in (d.lag_up.weight, d.lag_down.weight, d.layers[0].attn.q_proj.weight):
         assert id(p) in ids(decay)
     assert len(ids(decay) | ids(no_decay)) == len(list(d.parameters()))
+
+
+def test_per_anchor_prefixes_give_the_validation_tau_and_pair_up_across_drafters(target, store):
+    """evaluate_many(per_anchor=True): each anchor's accepted prefix, in one order for every drafter, so that a
+    difference between two drafters can be paired anchor by anchor (benchmarks/val_tau_se.py --paired)."""
+    from hyflash.drafter.model import new_drafter
+    from hyflash.train import evaluate, evaluate_many, split_store
+
+    cfg = tiny_config()
+    val = split_store(store, cfg)[1]
+    torch.manual_seed(0)
+    a, b = (new_drafter(cfg.drafter, target, dtype=torch.float32) for _ in range(2))
+    # drafter a always drafts the store's most frequent label, so that some of its drafts are accepted
+    common = int(torch.cat([item["labels"] for item in store.items]).mode().values)
+    forward = a.forward_train
+    a.forward_train = lambda *args, **kw: forward(*args, **kw) + 1e4 * F.one_hot(torch.tensor(common), VOCAB)
+    ra, rb = evaluate_many([a, b], store, val, cfg, per_anchor=True)
+    assert ra["val_prefixes"].max() > 0 and not torch.equal(ra["val_prefixes"], rb["val_prefixes"])
+    for r in (ra, rb):
+        p = r["val_prefixes"]
+        assert len(p) == r["val_anchors"] > 0
+        assert 1 + float(p.mean()) == pytest.approx(r["val_tau"], abs=1e-4)
+    assert "val_prefixes" not in evaluate(a, store, val, cfg)  # the training log stays small
+    assert torch.equal(evaluate_many([a], store, val, cfg, per_anchor=True)[0]["val_prefixes"], ra["val_prefixes"])

@@ -648,12 +648,14 @@ def evaluate(drafter: HyFlashDrafter, store, val_idx, cfg: TrainConfig) -> dict:
 
 
 @torch.no_grad()
-def evaluate_many(drafters: list[HyFlashDrafter], store, val_idx, cfg: TrainConfig) -> list[dict]:
+def evaluate_many(drafters: list[HyFlashDrafter], store, val_idx, cfg: TrainConfig,
+                  per_anchor: bool = False) -> list[dict]:
     """``evaluate`` for each drafter on the same held-out batches, each batch made (and an online store's target
-    run) once for all of them."""
+    run) once for all of them. ``per_anchor`` adds ``val_prefixes``, each anchor's accepted prefix (a tensor, in the
+    same anchor order for every drafter: for paired comparisons)."""
     S = cfg.drafter.block_size
     sums = [dict(correct=torch.zeros(S), count=torch.zeros(S), prefix=0.0, prefix_sq=0.0, anchors=0, free=0.0,
-                 decays=[[] for _ in d.layers]) for d in drafters]  # sums on the CPU
+                 decays=[[] for _ in d.layers], prefixes=[]) for d in drafters]  # sums on the CPU
     was_training = [d.training for d in drafters]
     for d in drafters:
         d.eval()
@@ -673,6 +675,8 @@ def evaluate_many(drafters: list[HyFlashDrafter], store, val_idx, cfg: TrainConf
             acc["prefix"] += float(accepted.sum())
             acc["prefix_sq"] += float((accepted ** 2).sum())
             acc["anchors"] += int(real.sum())
+            if per_anchor:
+                acc["prefixes"].append(accepted.cpu())
             if drafter.draft_vocab is not None:  # as if every token outside the draft vocabulary was drafted right
                 acc["free"] += float(all_correct_prefix((hit | (b["targets"] < 0)) & b["mask"])[real].sum())
             if drafter.config.has_memory:  # how fast its memory forgets, over the real (not padded) positions
@@ -693,6 +697,8 @@ def evaluate_many(drafters: list[HyFlashDrafter], store, val_idx, cfg: TrainConf
         if any(acc["decays"]):  # per layer, each memory head's median half-life in features (how far it can reach)
             out["val_half_life"] = [[round(min(float(x), 1e9), 1) for x in half_lives(torch.cat(gs))]
                                     for gs in acc["decays"] if gs]
+        if per_anchor:
+            out["val_prefixes"] = torch.cat(acc["prefixes"]) if acc["prefixes"] else torch.zeros(0, dtype=torch.float64)
         outs.append(out)
     return outs
 
