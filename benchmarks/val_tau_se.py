@@ -56,43 +56,33 @@ def main():
         return paired(args)
     print("run  store  val_tau  standard_error  anchors")
     for run in args.runs:
-        cfg = TrainConfig.from_dict(json.load(open(f"{run}/train_config.json")))
-        if args.data:
-            cfg.data = args.data[0] if len(args.data) == 1 else args.data
-        cfg.anchors_per_seq = args.anchors or cfg.anchors_per_seq
-        cfg.seq_len = args.seq_len or cfg.seq_len
-        cfg.target = args.target or cfg.target
-        target = Target.load(cfg.target, "bf16", feature_layers=cfg.drafter.target_layers)
-        store = open_store(cfg.data)
-        check_store(store, target, cfg)
-        _, val = split_store(store, cfg)
+        cfg, target, store, parts, names = setup(run, args)
         drafter = from_pretrained(f"{run}/final", target, dtype=torch.float32)
-        parts = part_indices(store, val) if isinstance(store, MixedStore) else [val]
-        names = cfg.data if isinstance(cfg.data, list) else [cfg.data]
         for name, v in zip(names, parts):
             r = evaluate(drafter, store, v, cfg)
             print(f"{run}  {name}  {r['val_tau']:.4f}  {r['val_tau_se']:.4f}  {r['val_anchors']}")
 
 
 def setup(run, args):
+    """The run's recipe with the command line's data, anchors, crop and target; the target, the store, its held-out
+    sequences part by part and the parts' names."""
     cfg = TrainConfig.from_dict(json.load(open(f"{run}/train_config.json")))
     if args.data:
         cfg.data = args.data[0] if len(args.data) == 1 else args.data
     cfg.anchors_per_seq = args.anchors or cfg.anchors_per_seq
     cfg.seq_len = args.seq_len or cfg.seq_len
     cfg.target = args.target or cfg.target
-    return cfg
-
-
-def paired(args):
-    cfg = setup(args.runs[0], args)
     target = Target.load(cfg.target, "bf16", feature_layers=cfg.drafter.target_layers)
     store = open_store(cfg.data)
     check_store(store, target, cfg)
     _, val = split_store(store, cfg)
-    drafters = [from_pretrained(f"{run}/final", target, dtype=torch.float32) for run in args.runs]
     parts = part_indices(store, val) if isinstance(store, MixedStore) else [val]
-    names = cfg.data if isinstance(cfg.data, list) else [cfg.data]
+    return cfg, target, store, parts, cfg.data if isinstance(cfg.data, list) else [cfg.data]
+
+
+def paired(args):
+    cfg, target, store, parts, names = setup(args.runs[0], args)
+    drafters = [from_pretrained(f"{run}/final", target, dtype=torch.float32) for run in args.runs]
     print(f"run  store  val_tau  standard_error  anchors  minus_{args.runs[0]}  paired_standard_error")
     for name, v in zip(names, parts):
         rs = evaluate_many(drafters, store, v, cfg, per_anchor=True)
