@@ -281,12 +281,12 @@ def read_at_delayed(stream: Tensor, v: Tensor, beta: Tensor, q: Tensor, q_pos: T
     Tc = torch.linalg.solve_triangular(A + eye, eye.expand_as(A), upper=False, unitriangular=True)  # (I + A)⁻¹
     U0 = Tc @ Vb                                                      # [B, H, n_chunks, L, dv]
     TB = Tc * Bc[..., None, :]                                        # T_c diag(β)
-    S = None
+    S = 0  # the empty state: the first chunk's u is U₀ itself
     us = []
-    for c, (u0, tb, k) in enumerate(zip(U0.unbind(2), TB.unbind(2), Kc.unbind(2))):
-        u = u0 if S is None else u0 - tb @ (k @ S)
+    for u0, tb, k in zip(U0.unbind(2), TB.unbind(2), Kc.unbind(2)):
+        u = u0 - tb @ (k @ S) if us else u0
         us.append(u)
-        S = k.transpose(-1, -2) @ u if S is None else S + k.transpose(-1, -2) @ u
+        S = S + k.transpose(-1, -2) @ u
     U = torch.stack(us, 2).flatten(2, 3)[:, :, :T]                    # [B, H, T, dv]: what each write adds
     scores = q @ stream.transpose(-1, -2)                             # [B, Q, T + H − 1]: q_i · stream[m]
     idx = torch.arange(T, device=v.device)
