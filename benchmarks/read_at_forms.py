@@ -30,11 +30,11 @@ def main():
     torch.set_num_threads(1)
     torch.manual_seed(0)
     B, T, H, dv, Q = args.batch, args.length, args.heads, args.dv, args.queries
+    shared = args.kind == "gdn"  # the copy memory's inputs: heads that differ only in their key's delay
     print(f"{machine_line()} | read_at {args.kind}: batch {B}, {T} features, {H} heads, {Q} queries a head, dv {dv}"
-          f"{' (no decay; the heads share values, strengths and queries and write one key stream at delays 1..H)' if args.kind == 'gdn' else ''}; "
+          f"{' (no decay; the heads share values, strengths and queries and write one key stream at delays 1..H)' if shared else ''}; "
           f"min of {args.repeats} forward + backward")
     for dk in (int(x) for x in args.dk.split(",")):
-        shared = args.kind == "gdn"  # the copy memory's inputs: heads that differ only in their key's delay
         stream = F.normalize(torch.randn(B, T + H - 1, dk), dim=-1).requires_grad_()
         v1 = torch.randn(B, T, dv, requires_grad=True)
         q1 = torch.randn(B, Q, dk, requires_grad=True)
@@ -44,7 +44,7 @@ def main():
 
         def generic(form):
             k = torch.stack([stream[:, H - 1 - h: H - 1 - h + T] for h in range(H)], 2)
-            beta = beta1[..., None].expand(-1, -1, H) if args.kind == "gdn" else None
+            beta = beta1[..., None].expand(-1, -1, H) if shared else None
             return mem.read_at(args.kind, k, v1[:, :, None].expand(-1, -1, H, -1), g, q1[:, None].expand(-1, H, -1, -1),
                                pos, beta, form=form)
 
@@ -64,6 +64,7 @@ def main():
         if shared:
             line += f"; quadratic / delayed {times['quadratic'] / times['delayed']:.2f}"
         print(line + ")", flush=True)
+
 
 if __name__ == "__main__":
     main()

@@ -27,11 +27,16 @@ per-anchor differences, much smaller than either run's own when two drafters sha
 drafter against its own memory cut to the window).
 
     python benchmarks/val_tau_se.py --paired --data …/feat/far /work/runs/dp600 /work/runs/dp600-cut
+
+``--train-sequences N`` scores the first N *training* sequences of each store instead (same anchors and crop as the
+held-out check): a difference between two drafters that holds on held-out text but flips on training text is
+over-fitting, one that holds on both is a weakness of the training itself.
 """
 
 import argparse
 import json
 
+import numpy as np
 import torch
 
 from common import machine_line
@@ -49,6 +54,9 @@ def main():
     p.add_argument("--seq-len", type=int, default=None, help="held-out crop length for every run")
     p.add_argument("--target", default=None, help="the target for every run (instead of each run's own)")
     p.add_argument("--paired", action="store_true", help="each run against the first on the same blocks, paired SE")
+    p.add_argument("--train-sequences", type=int, default=0, metavar="N",
+                   help="score the first N training sequences of each store instead of the held-out ones (does the "
+                        "drafter do on what it trained on what it does on held-out text?)")
     args = p.parse_args()
     torch.set_num_threads(1)
     print(machine_line())
@@ -75,8 +83,11 @@ def setup(run, args):
     target = Target.load(cfg.target, "bf16", feature_layers=cfg.drafter.target_layers)
     store = open_store(cfg.data)
     check_store(store, target, cfg)
-    _, val = split_store(store, cfg)
-    parts = part_indices(store, val) if isinstance(store, MixedStore) else [val]
+    train, val = split_store(store, cfg)
+    parts = part_indices(store, train if args.train_sequences else val) if isinstance(store, MixedStore) \
+        else [train if args.train_sequences else val]
+    if args.train_sequences:
+        parts = [np.sort(p)[: args.train_sequences] for p in parts]
     return cfg, target, store, parts, cfg.data if isinstance(cfg.data, list) else [cfg.data]
 
 

@@ -46,6 +46,9 @@ VARIANTS = [
     dict(variant="hyflash", memory="mamba2", copy_head_rank=4, copy_head_tokens=True, copy_memory=True,
          copy_memory_dpfp=2),
     dict(variant="hyflash", memory="gdn", copy_head_rank=4, copy_memory=True, copy_memory_dpfp=3, memory_limit=5),
+    dict(variant="hyflash", memory="mamba2", copy_head_rank=4, copy_head_tokens=True, copy_memory=True,
+         copy_memory_dpfp=2, copy_memory_gate=True),
+    dict(variant="hyflash", memory="gdn", copy_head_rank=4, copy_memory=True, copy_memory_gate=True, memory_limit=5),
 ]
 
 
@@ -60,6 +63,9 @@ def tiny_drafter(seed=0, **kw):
         torch.nn.init.normal_(d.copy_up.weight, std=0.3)
     if cfg.copy_memory:
         torch.nn.init.normal_(d.copy_memory_up.weight, std=0.3)
+    if cfg.copy_memory_gate:  # zeros at the start (a constant ½); make each slot's gate depend on its match
+        torch.nn.init.normal_(d.copy_gate_scale, std=1.0)
+        torch.nn.init.normal_(d.copy_gate_bias, std=1.0)
     if cfg.slot_query_scales:  # ones at the start; make each slot's differ
         for layer in d.layers:
             torch.nn.init.uniform_(layer.attn.slot_q_scale, 0.5, 1.5)
@@ -217,6 +223,36 @@ def test_dpfp_copy_memory_keys_are_the_expanded_normalised_keys():
     assert DrafterState(d).copy_mem.shape == (1, d.config.block_size, 16, 4)
     with pytest.raises(HyflashError, match="copy_memory_dpfp"):
         DrafterConfig(**{**TINY, "variant": "hyflash", "copy_head_rank": 4, "copy_memory_dpfp": 2})
+
+
+def test_copy_memory_gate_scales_the_read_by_the_window_s_best_match():
+    """copy_memory_gate: copy_read's best score for slot j is the highest score among the positions the slot may read
+    (a − W ≤ t ≤ a − 2 − j; 0 where there is none), and the memory's read of slot j is scaled by
+    sigmoid(a_j·best_j + b_j): ½ everywhere at initialisation, shut where a strongly negative scale meets a match."""
+    d = tiny_drafter(copy_head_rank=4, copy_memory=True, copy_memory_gate=True)
+    S, W = d.config.block_size, d.config.window
+    g = torch.Generator().manual_seed(3)
+    k, v = (torch.randn(1, 20, 4, dtype=torch.float64, generator=g) for _ in range(2))
+    q = torch.randn(1, 1, 4, dtype=torch.float64, generator=g)
+    scores = (k[0] @ q[0, 0]) * 4 ** -0.5
+    a = 12
+    out, best = d.copy_read(q, k, v, torch.tensor([[a]]), 0, best=True)
+    torch.testing.assert_close(out, d.copy_read(q, k, v, torch.tensor([[a]]), 0))
+    torch.testing.assert_close(best[0, 0], torch.stack([scores[a - W: a - 1 - j].max() for j in range(S)]))
+    assert torch.equal(d.copy_read(q, k, v, torch.tensor([[1]]), 0, best=True)[1], torch.zeros(1, 1, S,
+                       dtype=torch.float64))  # nothing committed before the anchor's predecessor: no match
+    y = torch.randn(1, 1, S, 4, dtype=torch.float64, generator=g)
+    fresh = HyFlashDrafter(d.config, torch.randn(50, 32), torch.randn(50, 32)).double()
+    fresh.copy_memory_up.weight.data.copy_(d.copy_memory_up.weight)
+    torch.testing.assert_close(fresh.copy_memory_read(y, best), d.copy_memory_up(y / 2))
+    with torch.no_grad():
+        d.copy_gate_scale.fill_(-1e3)
+        d.copy_gate_bias.zero_()
+    best = torch.tensor([[[2.0, -2.0] + [0.0] * (S - 2)]], dtype=torch.float64)
+    gate = torch.tensor([0.0, 1.0] + [0.5] * (S - 2), dtype=torch.float64)
+    torch.testing.assert_close(d.copy_memory_read(y, best), d.copy_memory_up(y * gate[:, None]))
+    with pytest.raises(HyflashError, match="copy_memory_gate"):
+        DrafterConfig(**{**TINY, "variant": "hyflash", "copy_head_rank": 4, "copy_memory_gate": True})
 
 
 def test_reading_memory_never_changes_the_state():

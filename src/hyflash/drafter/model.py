@@ -210,6 +210,9 @@ class HyFlashDrafter(nn.Module):
             self.copy_beta = nn.Linear(d, 1)  # write strength of each committed feature's value
             self.copy_memory_up = nn.Linear(cfg.copy_head_rank, d, bias=False)
             nn.init.zeros_(self.copy_memory_up.weight)
+        if cfg.copy_memory_gate:  # DrafterConfig.copy_memory_gate: per slot, a scale and a bias of the best score
+            self.copy_gate_scale = nn.Parameter(torch.zeros(cfg.block_size))
+            self.copy_gate_bias = nn.Parameter(torch.zeros(cfg.block_size))
         self.layers = nn.ModuleList(DrafterLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(d, cfg.rms_eps)
         if cfg.causal_head_rank:
@@ -296,24 +299,36 @@ class HyFlashDrafter(nn.Module):
         return q
 
     def copy_read(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, anchors: torch.Tensor,
-                  start: int) -> torch.Tensor:
+                  start: int, best: bool = False):
         """The copy head's slot inputs [B, n, S, d] for blocks at ``anchors`` [B, n] with queries q [B, n, r], from
         keys and values k, v [B, M, r] of committed features at positions start..start+M−1. One softmax per slot: slot
         j of the block at a weighs positions t within the window (t ≥ a − W) whose feature j + 1 later is committed
-        (t + 1 + j ≤ a − 1) by q·k_t, and reads v_{t+1+j}; a slot with no such t reads nothing."""
+        (t + 1 + j ≤ a − 1) by q·k_t, and reads v_{t+1+j}; a slot with no such t reads nothing. ``best``: also
+        each slot's best score [B, n, S] (0 where it sees nothing), which copy_memory_gate reads."""
         S, W = self.config.block_size, self.config.attention_window
         B, M, r = k.shape
         scores = torch.einsum("bnr,bmr->bnm", q, k) * r ** -0.5
         t = start + torch.arange(M, device=k.device)
         a = anchors[..., None]  # [B, n, 1]
         seen = (t >= a - W) if W is not None else torch.ones_like(t >= a)
-        reads = []
+        reads, tops = [], []
         for j in range(S):
             ok = seen & (t <= a - 2 - j)
-            w = torch.softmax(scores.masked_fill(~ok, torch.finfo(scores.dtype).min), dim=-1) * ok.any(-1, keepdim=True)
+            masked = scores.masked_fill(~ok, torch.finfo(scores.dtype).min)
+            w = torch.softmax(masked, dim=-1) * ok.any(-1, keepdim=True)
             later = F.pad(v[:, 1 + j:], (0, 0, 0, min(1 + j, M)))  # later[t] = v[t + 1 + j]
             reads.append(torch.einsum("bnm,bmr->bnr", w, later))
-        return self.copy_up(torch.stack(reads, dim=2))
+            if best:
+                tops.append(torch.where(ok.any(-1), masked.amax(-1), 0.0))
+        out = self.copy_up(torch.stack(reads, dim=2))
+        return (out, torch.stack(tops, dim=-1)) if best else out
+
+    def copy_memory_read(self, y: torch.Tensor, best: torch.Tensor | None) -> torch.Tensor:
+        """The copy memory's slot inputs [B, n, S, d] from its reads y [B, n, S, r], gated by the window's best
+        scores [B, n, S] with copy_memory_gate (``best`` is then required)."""
+        if self.config.copy_memory_gate:
+            y = y * torch.sigmoid(best * self.copy_gate_scale + self.copy_gate_bias)[..., None].to(y.dtype)
+        return self.copy_memory_up(y)
 
     def copy_memory_key(self, x: torch.Tensor) -> torch.Tensor:
         """A copy key or query [.., r] as the copy memory writes or reads it: L2-normalised, after the DPFP expansion
@@ -344,7 +359,7 @@ class HyFlashDrafter(nn.Module):
             e_before = torch.gather(e, 1, at)  # token a − 1
         k, v = self.copy_keys_values(c, zero, e, zero)
         q = self.copy_query(torch.gather(input_ids, 1, anchors), torch.gather(c, 1, at), e_before)  # feature a − 1
-        out = self.copy_read(q, k, v, anchors, 0)
+        out, best = self.copy_read(q, k, v, anchors, 0, best=True)
         if self.config.copy_memory:
             S = self.config.block_size
             K = self.config.copy_memory_key_dim
@@ -358,7 +373,7 @@ class HyFlashDrafter(nn.Module):
                 qn = self.copy_memory_key(q)[:, None].expand(-1, S, -1, -1)  # [B, S, n, K]: head j = slot j
                 y = mem.read_at("gdn", keys.to(f), vals.to(f), g.to(f), qn.to(f), anchors, beta=beta.to(f),
                                 limit=self.config.memory_limit)
-            out = out + self.copy_memory_up(y.transpose(1, 2).to(q.dtype))
+            out = out + self.copy_memory_read(y.transpose(1, 2).to(q.dtype), best)
         return out
 
     def set_draft_vocab(self, token_ids: torch.Tensor) -> None:

@@ -330,13 +330,14 @@ class DrafterState:
             q = d.copy_query(torch.tensor([[anchor]], device=self.device), self.copy_last,
                              self.copy_last_token if cfg.copy_head_tokens else None)
             start = self.n - self.copy_k.shape[1]
-            read = d.copy_read(q, self.copy_k, self.copy_v, torch.tensor([[self.n]], device=self.device), start)
+            read, best = d.copy_read(q, self.copy_k, self.copy_v, torch.tensor([[self.n]], device=self.device), start,
+                                     best=True)
             if cfg.copy_memory:
                 state = self.copy_mem
                 if self.copy_writes is not None:  # memory_limit: the last N writes, folded from zero
                     state = mem.step("gdn", torch.zeros_like(state), *self.copy_writes[:3], self.copy_writes[3])
                 y = mem.read(state, d.copy_memory_key(q)[:, None].expand(-1, state.shape[1], -1, -1).to(state.dtype))
-                read = read + d.copy_memory_up(y.transpose(1, 2).to(q.dtype))
+                read = read + d.copy_memory_read(y.transpose(1, 2).to(q.dtype), best)
             h = h + read[0, :, :S].to(h.dtype)
         cos, sin = rope_tables(torch.arange(self.n, self.n + S, device=self.device), cfg.head_dim, cfg.rope_theta,
                                h.dtype)

@@ -26,7 +26,7 @@ from hyflash.drafter.config import DrafterConfig
 # drafter fields that make an ablation, in the order the table names them
 ABLATION_FIELDS = ("variant", "num_layers", "memory", "memory_limit", "slot_attention", "window", "memory_long_heads",
                    "memory_min_half_life", "context_lags", "copy_head_rank", "copy_head_tokens", "copy_memory",
-                   "copy_memory_dpfp")
+                   "copy_memory_dpfp", "copy_memory_gate")
 
 
 def load_training_run(run_dir) -> tuple[dict, list[dict]]:
