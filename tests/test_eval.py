@@ -420,3 +420,27 @@ def test_every_committed_report_is_rebuilt_by_make_reports_from_the_kept_runs(tm
     assert len(committed) >= 20
     for rel in committed + [Path("reports/runs/gemma3-cpp-attention-ngram/compare_with_gemma3-gpu-long.txt")]:
         assert (tmp_path / rel).read_text() == (repo / rel).read_text(), rel
+
+
+def test_paired_items_differences_are_per_item_and_their_standard_error_is_that_of_the_mean():
+    """benchmarks/paired_items.py on made-up rows (fake numbers, for the arithmetic only): base − drafter on each
+    shared item, the standard error of their mean, items ahead/behind; other temperatures and plain decoding are
+    left out, and an item the base lacks is not compared."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from paired_items import paired_rows
+
+    def row(item, drafter, tau, temperature=0.0, suite="probe_distant"):
+        return {"suite": suite, "item": item, "drafter": drafter, "tau": tau, "temperature": temperature}
+
+    rows = [row("a", "base", 1.5), row("b", "base", 1.2), row("c", "base", 1.1),
+            row("a", "other", 1.2), row("b", "other", 1.2), row("c", "other", 1.2), row("d", "other", 3.0),
+            row("a", "none", 1.0), row("a", "other", 9.0, temperature=1.0)]
+    (r,) = paired_rows(rows, "base")
+    assert (r["suite"], r["drafter"], r["items"], r["ahead"], r["behind"]) == ("probe_distant", "other", 3, 1, 1)
+    assert r["diff"] == pytest.approx(0.2 / 3) and r["base_tau"] == pytest.approx(3.8 / 3)
+    diffs = [0.3, 0.0, -0.1]
+    mean = sum(diffs) / 3
+    assert r["se"] == pytest.approx((sum((x - mean) ** 2 for x in diffs) / 2 / 3) ** 0.5)
+    assert paired_rows([row("a", "base", 1.5), row("a", "other", 1.0)], "base")[0]["se"] == 0.0
