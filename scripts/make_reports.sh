@@ -25,6 +25,8 @@ hyflash report $R/gemma3-floor-distant --out reports/gemma3-floor-distant
 hyflash report $R/smollm2-copy-probe --out reports/smollm2-copy-probe
 hyflash report $R/smollm2-copytok-probe --out reports/smollm2-copytok-probe
 hyflash report $R/smollm2-copytok-slot-probe --out reports/smollm2-copytok-slot-probe
+hyflash report $R/smollm2-dpfp4-probe --out reports/smollm2-dpfp4-probe
+python benchmarks/paired_items.py $R/smollm2-dpfp4-probe --base hyflash-dpfp4 > $R/smollm2-dpfp4-probe/paired.txt
 python benchmarks/compare_eval_runs.py $R/gemma3-gpu-long $R/gemma3-cpp-attention-ngram \
     > $R/gemma3-cpp-attention-ngram/compare_with_gemma3-gpu-long.txt
 

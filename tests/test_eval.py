@@ -403,7 +403,7 @@ def test_training_report_counts_parameters_at_the_targets_width():
 @pytest.mark.slow
 def test_every_committed_report_is_rebuilt_by_make_reports_from_the_kept_runs(tmp_path):
     """scripts/make_reports.sh, run on a copy of reports/runs/, writes every committed REPORT.md (and the eval-run
-    comparison) again, byte for byte: each number in reports/ comes from a kept raw file and a listed command."""
+    comparison and the paired per-item differences) again, byte for byte: each number in reports/ comes from a kept raw file and a listed command."""
     import os
     import shutil
     import subprocess
@@ -411,14 +411,15 @@ def test_every_committed_report_is_rebuilt_by_make_reports_from_the_kept_runs(tm
 
     repo = Path(__file__).resolve().parents[1]
     shutil.copytree(repo / "reports" / "runs", tmp_path / "reports" / "runs")
-    for f in ("scripts/make_reports.sh", "benchmarks/compare_eval_runs.py"):
+    for f in ("scripts/make_reports.sh", "benchmarks/compare_eval_runs.py", "benchmarks/paired_items.py"):
         (tmp_path / f).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(repo / f, tmp_path / f)
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", MPLBACKEND="Agg")
     subprocess.run(["bash", "scripts/make_reports.sh"], cwd=tmp_path, env=env, check=True, capture_output=True)
     committed = sorted(p.relative_to(repo) for p in (repo / "reports").glob("*/REPORT.md"))
     assert len(committed) >= 20
-    for rel in committed + [Path("reports/runs/gemma3-cpp-attention-ngram/compare_with_gemma3-gpu-long.txt")]:
+    for rel in committed + [Path("reports/runs/gemma3-cpp-attention-ngram/compare_with_gemma3-gpu-long.txt"),
+                            Path("reports/runs/smollm2-dpfp4-probe/paired.txt")]:
         assert (tmp_path / rel).read_text() == (repo / rel).read_text(), rel
 
 
