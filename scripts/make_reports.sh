@@ -60,6 +60,7 @@ hyflash training-report $G/hyflash $H/hyflash-copyhead $T/hyflash-copytok --at-s
 hyflash training-report $G/hyflash $G/noslot $T/hyflash-copytok $T/noslot-copytok --at-step 200 \
     --out reports/smollm2-copytok-noslot
 C=$R/smollm2-copymemtok
-hyflash training-report $C/hyflash-copymemtok $R/smollm2-copymemtok-dpfp4/hyflash-copymemtok-dpfp4 --at-step 600 \
-    --out reports/smollm2-copymemtok-dpfp4
+D=$R/smollm2-copymemtok-dpfp4
+hyflash training-report $C/hyflash-copymemtok $D/hyflash-copymemtok-dpfp4 $D/hyflash-copymemtok-dpfp4-gate \
+    $D/swa-copytok --at-step 600 --out reports/smollm2-copymemtok-dpfp4
 echo "make_reports: every report rebuilt from reports/runs/"
