@@ -144,7 +144,7 @@ def test_copy_head_reads_what_followed_the_match_and_nothing_uncommitted():
     k[0, m, 0] = 100.0
     q = torch.tensor([[[100.0, 0, 0, 0]]], dtype=torch.float64)
     v = torch.arange(M * 4, dtype=torch.float64).view(1, M, 4)
-    out = d.copy_read(q, k, v, torch.tensor([[a]]), 0)[0, 0, :, :4]  # [S, 4]
+    out = d.copy_read(q, k, v, torch.tensor([[a]]), 0)[0][0, 0, :, :4]  # [S, 4]
     for j in range(4):
         torch.testing.assert_close(out[j], v[0, m + 1 + j])
     v2 = v.clone()
@@ -152,10 +152,10 @@ def test_copy_head_reads_what_followed_the_match_and_nothing_uncommitted():
     k2 = k.clone()
     k2[0, a:, 0] = 1e4
     at = torch.tensor([[a]])
-    torch.testing.assert_close(d.copy_read(q, k2, v2, at, 0), d.copy_read(q, k, v, at, 0))
-    far = d.copy_read(q, k, v, torch.tensor([[m + d.config.window + 1]]), 0)[0, 0, 0, :4]  # match out of the window
+    torch.testing.assert_close(d.copy_read(q, k2, v2, at, 0)[0], d.copy_read(q, k, v, at, 0)[0])
+    far = d.copy_read(q, k, v, torch.tensor([[m + d.config.window + 1]]), 0)[0][0, 0, 0, :4]  # match out of the window
     assert not torch.allclose(far, v[0, m + 1])
-    assert torch.equal(d.copy_read(q, k, v, torch.tensor([[1]]), 0), torch.zeros(1, 1, 4, 32, dtype=torch.float64))
+    assert torch.equal(d.copy_read(q, k, v, torch.tensor([[1]]), 0)[0], torch.zeros(1, 1, 4, 32, dtype=torch.float64))
     with pytest.raises(HyflashError, match="copy_head_rank"):
         DrafterConfig(**{**TINY, "copy_head_rank": -1})
 
@@ -237,7 +237,7 @@ def test_copy_memory_gate_scales_the_read_by_the_window_s_best_match():
     scores = (k[0] @ q[0, 0]) * 4 ** -0.5
     a = 12
     out, best = d.copy_read(q, k, v, torch.tensor([[a]]), 0, best=True)
-    torch.testing.assert_close(out, d.copy_read(q, k, v, torch.tensor([[a]]), 0))
+    torch.testing.assert_close(out, d.copy_read(q, k, v, torch.tensor([[a]]), 0)[0])
     torch.testing.assert_close(best[0, 0], torch.stack([scores[a - W: a - 1 - j].max() for j in range(S)]))
     assert torch.equal(d.copy_read(q, k, v, torch.tensor([[1]]), 0, best=True)[1], torch.zeros(1, 1, S,
                        dtype=torch.float64))  # nothing committed before the anchor's predecessor: no match

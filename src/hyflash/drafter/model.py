@@ -303,8 +303,9 @@ class HyFlashDrafter(nn.Module):
         """The copy head's slot inputs [B, n, S, d] for blocks at ``anchors`` [B, n] with queries q [B, n, r], from
         keys and values k, v [B, M, r] of committed features at positions start..start+M−1. One softmax per slot: slot
         j of the block at a weighs positions t within the window (t ≥ a − W) whose feature j + 1 later is committed
-        (t + 1 + j ≤ a − 1) by q·k_t, and reads v_{t+1+j}; a slot with no such t reads nothing. ``best``: also
-        each slot's best score [B, n, S] (0 where it sees nothing), which copy_memory_gate reads."""
+        (t + 1 + j ≤ a − 1) by q·k_t, and reads v_{t+1+j}; a slot with no such t reads nothing. Returns them and,
+        with ``best``, each slot's best score [B, n, S] (0 where it sees nothing; copy_memory_gate reads it), else
+        None."""
         S, W = self.config.block_size, self.config.attention_window
         B, M, r = k.shape
         scores = torch.einsum("bnr,bmr->bnm", q, k) * r ** -0.5
@@ -320,8 +321,7 @@ class HyFlashDrafter(nn.Module):
             reads.append(torch.einsum("bnm,bmr->bnr", w, later))
             if best:
                 tops.append(torch.where(ok.any(-1), masked.amax(-1), 0.0))
-        out = self.copy_up(torch.stack(reads, dim=2))
-        return (out, torch.stack(tops, dim=-1)) if best else out
+        return self.copy_up(torch.stack(reads, dim=2)), torch.stack(tops, dim=-1) if best else None
 
     def copy_memory_read(self, y: torch.Tensor, best: torch.Tensor | None) -> torch.Tensor:
         """The copy memory's slot inputs [B, n, S, d] from its reads y [B, n, S, r], gated by the window's best
@@ -359,7 +359,7 @@ class HyFlashDrafter(nn.Module):
             e_before = torch.gather(e, 1, at)  # token a − 1
         k, v = self.copy_keys_values(c, zero, e, zero)
         q = self.copy_query(torch.gather(input_ids, 1, anchors), torch.gather(c, 1, at), e_before)  # feature a − 1
-        out, best = self.copy_read(q, k, v, anchors, 0, best=True)
+        out, best = self.copy_read(q, k, v, anchors, 0, best=self.config.copy_memory_gate)
         if self.config.copy_memory:
             S = self.config.block_size
             K = self.config.copy_memory_key_dim

@@ -331,7 +331,7 @@ class DrafterState:
                              self.copy_last_token if cfg.copy_head_tokens else None)
             start = self.n - self.copy_k.shape[1]
             read, best = d.copy_read(q, self.copy_k, self.copy_v, torch.tensor([[self.n]], device=self.device), start,
-                                     best=True)
+                                     best=cfg.copy_memory_gate)
             if cfg.copy_memory:
                 state = self.copy_mem
                 if self.copy_writes is not None:  # memory_limit: the last N writes, folded from zero
