@@ -49,6 +49,9 @@ VARIANTS = [
     dict(variant="hyflash", memory="mamba2", copy_head_rank=4, copy_head_tokens=True, copy_memory=True,
          copy_memory_dpfp=2, copy_memory_gate=True),
     dict(variant="hyflash", memory="gdn", copy_head_rank=4, copy_memory=True, copy_memory_gate=True, memory_limit=5),
+    dict(variant="hyflash", memory="mamba2", copy_head_rank=4, copy_head_tokens=True, copy_memory=True,
+         copy_memory_dpfp=2, copy_memory_delay=6),
+    dict(variant="hyflash", memory="gdn", copy_head_rank=4, copy_memory=True, copy_memory_delay=3, memory_limit=5),
 ]
 
 
@@ -223,6 +226,37 @@ def test_dpfp_copy_memory_keys_are_the_expanded_normalised_keys():
     assert DrafterState(d).copy_mem.shape == (1, d.config.block_size, 16, 4)
     with pytest.raises(HyflashError, match="copy_memory_dpfp"):
         DrafterConfig(**{**TINY, "variant": "hyflash", "copy_head_rank": 4, "copy_memory_dpfp": 2})
+
+
+def test_delayed_copy_memory_folds_a_write_only_once_it_is_delay_features_old():
+    """copy_memory_delay = D: after n committed features the copy memory is the undelayed one's after n − D (nothing
+    before D), whatever the commit sizes; the writes waiting are D rank-sized rows, counted in the state's bytes."""
+    kw = dict(copy_head_rank=4, copy_head_tokens=True, copy_memory=True, copy_memory_dpfp=2)
+    D, T = 6, 30
+    d = tiny_drafter(**kw, copy_memory_delay=D)
+    plain = tiny_drafter(**kw)
+    plain.load_state_dict(d.state_dict())
+    g = torch.Generator().manual_seed(3)
+    feats = torch.randn(T, 48, dtype=torch.float64, generator=g)
+    ids = torch.randint(50, (T,), generator=g)
+    late, early = DrafterState(d), DrafterState(plain)
+    n = 0
+    for step in (1, 4, 2, 7, 1, 3, 8, 4):
+        late.commit(feats[n:n + step], ids[n:n + step].tolist())
+        n += step
+        while early.n < n - D:  # the undelayed state, D features behind
+            early.commit(feats[early.n:early.n + 1], ids[early.n:early.n + 1].tolist())
+        if n <= D:
+            assert not late.copy_mem.any()
+        else:
+            torch.testing.assert_close(late.copy_mem, early.copy_mem, rtol=1e-12, atol=1e-12)
+        assert late.copy_queue[0].shape[1] == min(n, D)
+    assert late.nbytes() - DrafterState(plain).nbytes() == D * (2 * 4 + 1) * 8  # keys, values, strengths in fp64
+    with pytest.raises(HyflashError, match="copy_memory_delay"):
+        DrafterConfig(**{**TINY, "variant": "hyflash", "copy_head_rank": 4, "copy_memory_delay": 6})
+    with pytest.raises(HyflashError, match="copy_memory_delay"):
+        DrafterConfig(**{**TINY, "variant": "hyflash", "copy_head_rank": 4, "copy_memory": True,
+                         "copy_memory_delay": -1})
 
 
 def test_copy_memory_gate_scales_the_read_by_the_window_s_best_match():

@@ -135,3 +135,11 @@ def test_the_copy_recipes_differ_only_in_the_drafter():
     assert {k: x for k, x in far.items() if k not in ("drafter", "_comment")} == rest["hyflash"]
     assert far["drafter"] == {**r["hyflash"]["drafter"], "copy_head_rank": 128, "copy_head_tokens": True,
                               "copy_memory": True}
+    dpfp = load_recipe("smollm2-copy-hyflash-copymemtok-dpfp4").to_dict()  # its keys DPFP-expanded, and one change each
+    assert {k: x for k, x in dpfp.items() if k not in ("drafter", "_comment")} == rest["hyflash"]
+    assert dpfp["drafter"] == {**far["drafter"], "copy_memory_dpfp": 4}
+    for name, extra in (("gate", {"copy_memory_gate": True}), ("mem256", {"memory_limit": 256}),
+                        ("delay256", {"copy_memory_delay": 256})):
+        one = load_recipe(f"smollm2-copy-hyflash-copymemtok-dpfp4-{name}").to_dict()
+        assert {k: x for k, x in one.items() if k not in ("drafter", "_comment")} == rest["hyflash"]
+        assert one["drafter"] == {**dpfp["drafter"], **extra}

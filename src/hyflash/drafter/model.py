@@ -342,10 +342,19 @@ class HyFlashDrafter(nn.Module):
         before position 0). Head j of position p pairs the key of feature p − 1 − j with the value of feature p: →
         keys [B, T, S, K], values [B, T, S, r], log-decays (zeros) and write strengths [B, T, S], and the new
         ``recent``."""
-        S, T = self.config.block_size, c.shape[1]
+        return self.copy_memory_writes(k, v, self.copy_memory_beta(c), recent)
+
+    def copy_memory_beta(self, c: torch.Tensor) -> torch.Tensor:
+        """The copy memory's write strength [B, T] of committed features c [B, T, d], shared by its heads."""
+        return torch.sigmoid(self.copy_beta(c)).squeeze(-1)
+
+    def copy_memory_writes(self, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, recent: torch.Tensor):
+        """``copy_memory_inputs`` from the copy keys and values k, v [B, T, r] and write strengths beta [B, T] of
+        positions n..n+T−1 (what a delayed copy memory keeps queued until it folds them)."""
+        S, T = self.config.block_size, k.shape[1]
         stream = torch.cat([recent.to(k.dtype), self.copy_memory_key(k)], dim=1)  # positions n−S .. n+T−1
         keys = torch.stack([stream[:, S - 1 - j: S - 1 - j + T] for j in range(S)], dim=2)
-        beta = torch.sigmoid(self.copy_beta(c)).expand(-1, -1, S)
+        beta = beta[..., None].expand(-1, -1, S)
         return keys, v[:, :, None].expand(-1, -1, S, -1), torch.zeros_like(beta), beta, stream[:, -S:]
 
     def copy_slot_inputs(self, c: torch.Tensor, input_ids: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
@@ -364,14 +373,15 @@ class HyFlashDrafter(nn.Module):
             S = self.config.block_size
             K = self.config.copy_memory_key_dim
             f = _state_dtype(q.dtype)
+            folded = (anchors - self.config.copy_memory_delay).clamp(min=0)  # the memory at a holds writes < a − delay
             if self.config.memory_limit is None:  # the heads' keys are one stream at delays 1..S: read it once
                 stream = torch.cat([k.new_zeros(k.shape[0], S, K), self.copy_memory_key(k)], dim=1)[:, :-1]
-                beta = torch.sigmoid(self.copy_beta(c)).squeeze(-1)  # as copy_memory_inputs, shared by the heads
-                y = mem.read_at_delayed(stream.to(f), v.to(f), beta.to(f), self.copy_memory_key(q).to(f), anchors, S)
+                beta = self.copy_memory_beta(c)  # as copy_memory_inputs, shared by the heads
+                y = mem.read_at_delayed(stream.to(f), v.to(f), beta.to(f), self.copy_memory_key(q).to(f), folded, S)
             else:
                 keys, vals, g, beta, _ = self.copy_memory_inputs(c, k, v, k.new_zeros(k.shape[0], S, K))
                 qn = self.copy_memory_key(q)[:, None].expand(-1, S, -1, -1)  # [B, S, n, K]: head j = slot j
-                y = mem.read_at("gdn", keys.to(f), vals.to(f), g.to(f), qn.to(f), anchors, beta=beta.to(f),
+                y = mem.read_at("gdn", keys.to(f), vals.to(f), g.to(f), qn.to(f), folded, beta=beta.to(f),
                                 limit=self.config.memory_limit)
             out = out + self.copy_memory_read(y.transpose(1, 2).to(q.dtype), best)
         return out

@@ -7,6 +7,8 @@ size however long the context; ``full`` keeps keys/values of every committed fea
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -199,6 +201,10 @@ class DrafterState:
         self.copy_mem = mem.init_state(1, S, K, r, dtype=self.state_dtype, device=p.device)
         self.copy_recent_keys = torch.zeros(1, S, K, dtype=p.dtype, device=p.device)
         self.copy_writes = None
+        # copy_memory_delay: the copy keys, values and write strengths of the newest features, not yet folded
+        rq = r if cfg.copy_memory_delay else 0
+        self.copy_queue = (torch.zeros(1, 0, rq, dtype=p.dtype, device=p.device),) * 2 + (
+            torch.zeros(1, 0, dtype=p.dtype, device=p.device),)
         for layer in drafter.layers:
             m = layer.memory
             if m is None:
@@ -237,13 +243,7 @@ class DrafterState:
             self.copy_v = torch.cat([self.copy_v, v], dim=1)[:, -keep:]
             self.copy_last = c[:, -1:]
             if d.config.copy_memory:
-                keys, vals, g, beta, self.copy_recent_keys = d.copy_memory_inputs(c, k, v, self.copy_recent_keys)
-                new = tuple(x.to(self.state_dtype) for x in (keys, vals, g, beta))
-                limit = d.config.memory_limit
-                if limit is None:
-                    self.copy_mem = mem.step("gdn", self.copy_mem, *new[:3], new[3])
-                else:
-                    self.copy_writes = _last_writes(self.copy_writes, new, limit)
+                self._copy_memory_commit(k, v, d.copy_memory_beta(c))
         cos, sin = rope_tables(torch.arange(self.n, self.n + c.shape[1], device=self.device), d.config.head_dim,
                                d.config.rope_theta, c.dtype)
         i = 0
@@ -262,6 +262,26 @@ class DrafterState:
                 self.recent[i] = _last_writes(self.recent[i], (mk, mv, mg, mb), limit)
             i += 1
         self.n += c.shape[1]
+
+    def _copy_memory_commit(self, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor) -> None:
+        """Fold the copy memory's writes of new features (copy keys and values k, v [1, n, r], write strengths beta
+        [1, n]); with copy_memory_delay D, queue them and fold only those now more than D features old."""
+        d = self.drafter
+        delay = d.config.copy_memory_delay
+        if delay:
+            queue = tuple(torch.cat([a, b.to(a.dtype)], 1) for a, b in zip(self.copy_queue, (k, v, beta)))
+            due = queue[0].shape[1] - delay
+            self.copy_queue = tuple(a[:, max(due, 0):] for a in queue)
+            if due <= 0:
+                return
+            k, v, beta = (a[:, :due] for a in queue)
+        keys, vals, g, beta, self.copy_recent_keys = d.copy_memory_writes(k, v, beta, self.copy_recent_keys)
+        new = tuple(x.to(self.state_dtype) for x in (keys, vals, g, beta))
+        limit = d.config.memory_limit
+        if limit is None:
+            self.copy_mem = mem.step("gdn", self.copy_mem, *new[:3], new[3])
+        else:
+            self.copy_writes = _last_writes(self.copy_writes, new, limit)
 
     def _slot_count(self, slots: int | None) -> int:
         block = self.drafter.config.block_size
@@ -379,5 +399,7 @@ class DrafterState:
             total += t.numel() * t.element_size()
         limit = self.drafter.config.memory_limit
         total += _writes_bytes(self.copy_writes, limit)  # memory_limit: counted at N writes
+        delay = self.drafter.config.copy_memory_delay  # copy_memory_delay: the queue, counted at its D features
+        total += sum(math.prod(a.shape[2:]) * a.element_size() * delay for a in self.copy_queue)
         total += sum(_writes_bytes(r, limit) for r in self.recent)
         return total
