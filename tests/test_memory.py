@@ -346,6 +346,36 @@ def test_read_at_delayed_gradients_match_read_at():
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("T,H,N", [(45, 3, 8), (48, 7, 20), (30, 2, 1), (12, 7, 11)])
+def test_read_at_delayed_limited_matches_folding_each_window(dtype, T, H, N):
+    """limit=N: each query reads the delta-rule state of only the last N writes before it, folded from zero, as
+    read_at's limited form does for the per-head keys (including windows that start before position 0)."""
+    stream, v, beta, q, pos = delayed_inputs(2, T, H, 6, 4, 9, dtype, seed=24)
+    pos[0, :3] = torch.tensor([0, T, min(N, T) // 2])  # empty, the end, a window cut by position 0
+    k, vh, g, qh, bh = delayed_per_head(stream, v, beta, q, H)
+    expected = memory.read_at("gdn", k, vh, g, qh, pos, bh, chunk=4, limit=N)
+    o = memory.read_at_delayed(stream, v, beta, q, pos, H, limit=N)
+    assert o.shape == (2, H, 9, 4) and o.dtype == dtype
+    assert rel_err(o, expected) < TOL[dtype]
+    assert rel_err(o, memory.read_at_delayed(stream, v, beta, q, pos, H)) > 1e-2  # the limit changes the reads
+    assert not memory.read_at_delayed(stream, v, beta, q, pos, H, limit=0).any()
+
+
+def test_read_at_delayed_limited_gradients_match_read_at():
+    stream, v, beta, q, pos = delayed_inputs(1, 13, 3, 3, 2, 5, torch.float64, seed=25)
+    leaves = [x.clone().requires_grad_() for x in (stream, v, beta, q)]
+    assert torch.autograd.gradcheck(lambda s, v, b, q: memory.read_at_delayed(s, v, b, q, pos, 3, limit=4), leaves)
+    out = memory.read_at_delayed(*leaves, pos, 3, limit=4)
+    w = torch.randn_like(out)
+    grads = torch.autograd.grad((out * w).sum(), leaves)
+    ref_leaves = [x.detach().clone().requires_grad_() for x in (stream, v, beta, q)]
+    k, vh, g, qh, bh = delayed_per_head(*ref_leaves, 3)
+    ref = memory.read_at("gdn", k, vh, g, qh, pos, bh, chunk=4, limit=4)
+    for a, b in zip(grads, torch.autograd.grad((ref * w).sum(), ref_leaves)):
+        torch.testing.assert_close(a, b)
+
+
 def test_read_at_delayed_rejects_mismatched_shapes():
     stream, v, beta, q, pos = delayed_inputs(1, 10, 3, 4, 2, 5, torch.float64, seed=23)
     with pytest.raises(ValueError, match="do not fit 4 heads"):

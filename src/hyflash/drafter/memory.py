@@ -249,7 +249,7 @@ def read_at(kind: str, k: Tensor, v: Tensor, g: Tensor, q: Tensor, q_pos: Tensor
 
 
 def read_at_delayed(stream: Tensor, v: Tensor, beta: Tensor, q: Tensor, q_pos: Tensor, heads: int,
-                    chunk: int = 64) -> Tensor:
+                    chunk: int = 64, limit: int | None = None) -> Tensor:
     """``read_at("gdn", …)`` without decay for heads that write one key stream at different delays, as the copy
     memory does: head h writes, at position p, the key ``stream[p + heads − 1 − h]`` with the value v_p and strength
     β_p (shared by all heads), and every head is read by the same query. Equal to ``read_at`` on the per-head keys
@@ -260,14 +260,17 @@ def read_at_delayed(stream: Tensor, v: Tensor, beta: Tensor, q: Tensor, q_pos: T
       ``_scan``, so no dk-wide triangular solve and no W tensor (the gdn UT form with γ = 1).
 
     stream [B, T + heads − 1, dk] (L2-normalised keys), v [B, T, dv], beta [B, T], q [B, Q, dk], q_pos LongTensor
-    [B, Q] with values in [0, T]. Returns [B, heads, Q, dv]: head h's state after writes 0..p−1 read by q_i."""
+    [B, Q] with values in [0, T]. Returns [B, heads, Q, dv]: head h's state after writes 0..p−1 read by q_i.
+    limit=N: after writes max(0, p − N)..p − 1 only, folded from zero (``_read_at_delayed_limited``)."""
     B, T, dv = v.shape
     H, L, dk = heads, chunk, stream.shape[-1]
     if stream.shape[:2] != (B, T + H - 1) or beta.shape != (B, T) or q.shape[0] != B or q_pos.shape != q.shape[:2]:
         raise ValueError(f"read_at_delayed: stream {tuple(stream.shape)}, v {tuple(v.shape)}, beta {tuple(beta.shape)}, "
                          f"q {tuple(q.shape)}, q_pos {tuple(q_pos.shape)} do not fit {H} heads")
-    if T == 0:
+    if T == 0 or limit == 0:
         return q.new_zeros(B, H, q.shape[1], dv)
+    if limit is not None and limit < T:
+        return _read_at_delayed_limited(stream, v, beta, q, q_pos.to(device=v.device, dtype=torch.long), H, limit)
     n_chunks = -(-T // L)
     pad = n_chunks * L - T                                            # zero writes at the end change nothing
     offsets = [H - 1 - h for h in range(H)]
@@ -293,6 +296,38 @@ def read_at_delayed(stream: Tensor, v: Tensor, beta: Tensor, q: Tensor, q_pos: T
     per_head = torch.stack([scores[..., o: o + T] for o in offsets], 1)  # [B, H, Q, T]: q_i · k_p of head h
     before = idx < q_pos.to(device=v.device, dtype=torch.long)[..., None]  # p < position of query i  [B, Q, T]
     return per_head.masked_fill(~before[:, None], 0.0) @ U
+
+
+def _read_at_delayed_limited(stream: Tensor, v: Tensor, beta: Tensor, q: Tensor, pos: Tensor, H: int,
+                             N: int) -> Tensor:
+    """``read_at_delayed`` with each query's memory holding only the writes of positions p − N..p − 1, folded from
+    zero: for one window with keys K (rows k_t), strengths β and values V, the delta rule's state is Kᵀ U with
+    (I + A) U = diag(β) V, A_ts = β_t k_tᵀ k_s for s < t (the UT form with γ = 1 and S_0 = 0, see the module
+    docstring), so the read is o = Σ_t (q·k_t) u_t. One N × N triangular solve per query and head, with the keys'
+    Gram matrix taken once per query window of the shared stream (head h's block is shifted by its delay), instead of
+    folding each window chunk by chunk at the keys' width as ``_read_at_limited`` does. Positions before 0 write
+    nothing (β = 0)."""
+    B, T, dv = v.shape
+    Q = q.shape[1]
+    E = N + H - 1                                                     # stream rows a window's heads touch
+    idx = pos[..., None] - N + torch.arange(N, device=v.device)       # write positions of each window [B, Q, N]
+    valid = idx >= 0
+    sidx = pos[..., None] - N + torch.arange(E, device=v.device)      # their stream rows (head h: + H − 1 − h)
+    bidx = torch.arange(B, device=v.device)[:, None, None]
+    ks = stream[bidx, sidx.clamp(min=0)]                              # [B, Q, E, dk] (rows before 0 unused)
+    gram = ks @ ks.transpose(-1, -2)                                  # [B, Q, E, E]
+    qk = (ks @ q[..., None]).squeeze(-1)                              # [B, Q, E]: q_i · stream rows
+    bw = (beta[bidx, idx.clamp(min=0)] * valid).to(v.dtype)           # [B, Q, N]
+    vw = v[bidx, idx.clamp(min=0)] * bw[..., None]                    # diag(β) V   [B, Q, N, dv]
+    strict = torch.ones(N, N, dtype=torch.bool, device=v.device).tril(-1)
+    eye = torch.eye(N, dtype=v.dtype, device=v.device)
+    outs = []
+    for h in range(H):
+        o = H - 1 - h
+        A = (bw[..., :, None] * gram[..., o:o + N, o:o + N]).masked_fill(~strict, 0.0)
+        U = torch.linalg.solve_triangular(A + eye, vw, upper=False, unitriangular=True)  # [B, Q, N, dv]
+        outs.append((qk[..., None, o:o + N] @ U).squeeze(-2))        # Σ_t (q·k_t) u_t   [B, Q, dv]
+    return torch.stack(outs, 1)
 
 
 def _read_at_limited(kind: str, k: Tensor, v: Tensor, g: Tensor, q: Tensor, pos: Tensor, beta: Tensor | None,

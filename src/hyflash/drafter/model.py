@@ -374,15 +374,11 @@ class HyFlashDrafter(nn.Module):
             K = self.config.copy_memory_key_dim
             f = _state_dtype(q.dtype)
             folded = (anchors - self.config.copy_memory_delay).clamp(min=0)  # the memory at a holds writes < a − delay
-            if self.config.memory_limit is None:  # the heads' keys are one stream at delays 1..S: read it once
-                stream = torch.cat([k.new_zeros(k.shape[0], S, K), self.copy_memory_key(k)], dim=1)[:, :-1]
-                beta = self.copy_memory_beta(c)  # as copy_memory_inputs, shared by the heads
-                y = mem.read_at_delayed(stream.to(f), v.to(f), beta.to(f), self.copy_memory_key(q).to(f), folded, S)
-            else:
-                keys, vals, g, beta, _ = self.copy_memory_inputs(c, k, v, k.new_zeros(k.shape[0], S, K))
-                qn = self.copy_memory_key(q)[:, None].expand(-1, S, -1, -1)  # [B, S, n, K]: head j = slot j
-                y = mem.read_at("gdn", keys.to(f), vals.to(f), g.to(f), qn.to(f), folded, beta=beta.to(f),
-                                limit=self.config.memory_limit)
+            # the heads' keys are one stream at delays 1..S (as copy_memory_inputs): read it once
+            stream = torch.cat([k.new_zeros(k.shape[0], S, K), self.copy_memory_key(k)], dim=1)[:, :-1]
+            beta = self.copy_memory_beta(c)  # shared by the heads
+            y = mem.read_at_delayed(stream.to(f), v.to(f), beta.to(f), self.copy_memory_key(q).to(f), folded, S,
+                                    limit=self.config.memory_limit)
             out = out + self.copy_memory_read(y.transpose(1, 2).to(q.dtype), best)
         return out
 
