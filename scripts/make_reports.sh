@@ -27,6 +27,9 @@ hyflash report $R/smollm2-copytok-probe --out reports/smollm2-copytok-probe
 hyflash report $R/smollm2-copytok-slot-probe --out reports/smollm2-copytok-slot-probe
 hyflash report $R/smollm2-dpfp4-probe --out reports/smollm2-dpfp4-probe
 python benchmarks/paired_items.py $R/smollm2-dpfp4-probe --base hyflash-dpfp4 > $R/smollm2-dpfp4-probe/paired.txt
+hyflash report $R/smollm2-dpfp4-1200-probe --out reports/smollm2-dpfp4-1200-probe
+python benchmarks/paired_items.py $R/smollm2-dpfp4-1200-probe --base hyflash-dpfp4-1200 \
+    > $R/smollm2-dpfp4-1200-probe/paired.txt
 python benchmarks/compare_eval_runs.py $R/gemma3-gpu-long $R/gemma3-cpp-attention-ngram \
     > $R/gemma3-cpp-attention-ngram/compare_with_gemma3-gpu-long.txt
 
@@ -63,4 +66,7 @@ C=$R/smollm2-copymemtok
 D=$R/smollm2-copymemtok-dpfp4
 hyflash training-report $C/hyflash-copymemtok $D/hyflash-copymemtok-dpfp4 $D/hyflash-copymemtok-dpfp4-gate \
     $D/swa-copytok --at-step 600 --out reports/smollm2-copymemtok-dpfp4
+D=$R/smollm2-copymemtok-dpfp4-stage2
+hyflash training-report $D/hyflash-copymemtok-dpfp4 $D/swa-copytok --at-step 600 \
+    --out reports/smollm2-copymemtok-dpfp4-stage2
 echo "make_reports: every report rebuilt from reports/runs/"

@@ -418,8 +418,9 @@ def test_every_committed_report_is_rebuilt_by_make_reports_from_the_kept_runs(tm
     subprocess.run(["bash", "scripts/make_reports.sh"], cwd=tmp_path, env=env, check=True, capture_output=True)
     committed = sorted(p.relative_to(repo) for p in (repo / "reports").glob("*/REPORT.md"))
     assert len(committed) >= 20
-    for rel in committed + [Path("reports/runs/gemma3-cpp-attention-ngram/compare_with_gemma3-gpu-long.txt"),
-                            Path("reports/runs/smollm2-dpfp4-probe/paired.txt")]:
+    paired = sorted(p.relative_to(repo) for p in (repo / "reports" / "runs").glob("*/paired.txt"))
+    assert len(paired) >= 2
+    for rel in committed + paired + [Path("reports/runs/gemma3-cpp-attention-ngram/compare_with_gemma3-gpu-long.txt")]:
         assert (tmp_path / rel).read_text() == (repo / rel).read_text(), rel
 
 
