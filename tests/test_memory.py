@@ -332,16 +332,22 @@ def test_read_at_delayed_matches_the_recurrence_of_each_head(dtype, T, H, chunk)
     assert rel_err(o[:, 0], o[:, 1]) > 1e-2
 
 
-def test_read_at_delayed_gradients_match_read_at():
-    stream, v, beta, q, pos = delayed_inputs(1, 11, 3, 3, 2, 5, torch.float64, seed=22)
+@pytest.mark.parametrize("limit", [None, 4])
+def test_read_at_delayed_gradients_match_read_at(limit):
+    """Whole memory (chunked form) and limited to the last 4 writes (one triangular solve per window)."""
+    stream, v, beta, q, pos = delayed_inputs(1, 13, 3, 3, 2, 5, torch.float64, seed=22)
     leaves = [x.clone().requires_grad_() for x in (stream, v, beta, q)]
-    assert torch.autograd.gradcheck(lambda s, v, b, q: memory.read_at_delayed(s, v, b, q, pos, 3, chunk=4), leaves)
-    out = memory.read_at_delayed(*leaves, pos, 3, chunk=4)
+
+    def read(s, v, b, q):
+        return memory.read_at_delayed(s, v, b, q, pos, 3, chunk=4, limit=limit)
+
+    assert torch.autograd.gradcheck(read, leaves)
+    out = read(*leaves)
     w = torch.randn_like(out)
     grads = torch.autograd.grad((out * w).sum(), leaves)
     ref_leaves = [x.detach().clone().requires_grad_() for x in (stream, v, beta, q)]
     k, vh, g, qh, bh = delayed_per_head(*ref_leaves, 3)
-    ref = memory.read_at("gdn", k, vh, g, qh, pos, bh, chunk=4, form="chunked")
+    ref = memory.read_at("gdn", k, vh, g, qh, pos, bh, chunk=4, form="chunked", limit=limit)
     for a, b in zip(grads, torch.autograd.grad((ref * w).sum(), ref_leaves)):
         torch.testing.assert_close(a, b)
 
@@ -360,20 +366,6 @@ def test_read_at_delayed_limited_matches_folding_each_window(dtype, T, H, N):
     assert rel_err(o, expected) < TOL[dtype]
     assert rel_err(o, memory.read_at_delayed(stream, v, beta, q, pos, H)) > 1e-2  # the limit changes the reads
     assert not memory.read_at_delayed(stream, v, beta, q, pos, H, limit=0).any()
-
-
-def test_read_at_delayed_limited_gradients_match_read_at():
-    stream, v, beta, q, pos = delayed_inputs(1, 13, 3, 3, 2, 5, torch.float64, seed=25)
-    leaves = [x.clone().requires_grad_() for x in (stream, v, beta, q)]
-    assert torch.autograd.gradcheck(lambda s, v, b, q: memory.read_at_delayed(s, v, b, q, pos, 3, limit=4), leaves)
-    out = memory.read_at_delayed(*leaves, pos, 3, limit=4)
-    w = torch.randn_like(out)
-    grads = torch.autograd.grad((out * w).sum(), leaves)
-    ref_leaves = [x.detach().clone().requires_grad_() for x in (stream, v, beta, q)]
-    k, vh, g, qh, bh = delayed_per_head(*ref_leaves, 3)
-    ref = memory.read_at("gdn", k, vh, g, qh, pos, bh, chunk=4, limit=4)
-    for a, b in zip(grads, torch.autograd.grad((ref * w).sum(), ref_leaves)):
-        torch.testing.assert_close(a, b)
 
 
 def test_read_at_delayed_rejects_mismatched_shapes():
