@@ -230,7 +230,8 @@ def test_dpfp_copy_memory_keys_are_the_expanded_normalised_keys():
 
 def test_delayed_copy_memory_folds_a_write_only_once_it_is_delay_features_old():
     """copy_memory_delay = D: after n committed features the copy memory is the undelayed one's after n − D (nothing
-    before D), whatever the commit sizes; the writes waiting are D rank-sized rows, counted in the state's bytes."""
+    before D), whatever the commit sizes; the writes waiting are the window's copy keys and values, so only their D
+    write strengths are queued, counted in the state's bytes."""
     kw = dict(copy_head_rank=4, copy_head_tokens=True, copy_memory=True, copy_memory_dpfp=2)
     D, T = 6, 30
     d = tiny_drafter(**kw, copy_memory_delay=D)
@@ -250,13 +251,17 @@ def test_delayed_copy_memory_folds_a_write_only_once_it_is_delay_features_old():
             assert not late.copy_mem.any()
         else:
             torch.testing.assert_close(late.copy_mem, early.copy_mem, rtol=1e-12, atol=1e-12)
-        assert late.copy_queue[0].shape[1] == min(n, D)
-    assert late.nbytes() - DrafterState(plain).nbytes() == D * (2 * 4 + 1) * 8  # keys, values, strengths in fp64
+        assert late.copy_queue.shape[1] == min(n, D)
+    assert late.nbytes() - DrafterState(plain).nbytes() == D * 8  # the strengths, in fp64
+    assert DrafterState(d).nbytes() == DrafterState(plain).nbytes() + D * 8  # counted at capacity when empty
     with pytest.raises(HyflashError, match="copy_memory_delay"):
         DrafterConfig(**{**TINY, "variant": "hyflash", "copy_head_rank": 4, "copy_memory_delay": 6})
     with pytest.raises(HyflashError, match="copy_memory_delay"):
         DrafterConfig(**{**TINY, "variant": "hyflash", "copy_head_rank": 4, "copy_memory": True,
                          "copy_memory_delay": -1})
+    with pytest.raises(HyflashError, match=r"copy_memory_delay \(7\) must be <= window \(6\)"):
+        DrafterConfig(**{**TINY, "variant": "hyflash", "copy_head_rank": 4, "copy_memory": True,
+                         "copy_memory_delay": 7})
 
 
 def test_copy_memory_gate_scales_the_read_by_the_window_s_best_match():

@@ -82,9 +82,10 @@ class DrafterConfig:
     copy_memory_gate: bool = False
     # the copy memory folds a committed feature's write only once it is this many features old (0: at once); at the
     # attention window's length it holds only copies the window no longer does, so its read cannot blur a near copy
-    # the copy head's window attention already answers, and all its training signal comes from far copies. The writes
-    # not yet folded wait in a queue of this many (copy key, value, write strength), rank-sized: constant memory too.
-    # With memory_limit N the memory holds the last N writes it has folded. Needs copy_memory. Ours.
+    # the copy head's window attention already answers, and all its training signal comes from far copies. At most
+    # the window: the writes not yet folded are the window's copy keys and values, so only their write strengths
+    # wait in a queue (this many numbers). With memory_limit N the memory holds the last N writes it has folded.
+    # Needs copy_memory. Ours.
     copy_memory_delay: int = 0
     draft_vocab_size: int = 0  # >0: the LM head covers only these most frequent target tokens (EAGLE-3's reduced
     #                            draft vocabulary); ids are mapped back to the target's, verification is unchanged
@@ -140,6 +141,9 @@ class DrafterConfig:
             raise HyflashError("copy_memory_gate needs copy_memory (it gates the copy memory's read)")
         if self.copy_memory_delay < 0 or (self.copy_memory_delay and not self.copy_memory):
             raise HyflashError("copy_memory_delay must be >= 0 and needs copy_memory (it delays its writes)")
+        if self.copy_memory_delay > self.window:  # the writes waiting are read from the copy head's window
+            raise HyflashError(f"copy_memory_delay ({self.copy_memory_delay}) must be <= window ({self.window}): the "
+                               f"writes not yet folded are read from the copy head's window")
         if self.memory_min_half_life <= 0:
             raise HyflashError("memory_min_half_life must be > 0")
 

@@ -167,8 +167,10 @@ def _last_writes(old: tuple | None, new: tuple, limit: int) -> tuple:
 
 
 def _writes_bytes(writes: tuple | None, limit: int) -> int:
-    """Bytes of ``_last_writes``, counted at their capacity of ``limit`` features."""
-    return 0 if writes is None else sum(a[0, 0].numel() * a.element_size() * limit for a in writes if a is not None)
+    """Bytes of per-feature rows [1, n, ...] such as ``_last_writes``', counted at their capacity of ``limit``
+    features (by shape, so an empty queue counts too)."""
+    return 0 if writes is None else sum(math.prod(a.shape[2:]) * a.element_size() * limit
+                                        for a in writes if a is not None)
 
 
 class DrafterState:
@@ -201,10 +203,9 @@ class DrafterState:
         self.copy_mem = mem.init_state(1, S, K, r, dtype=self.state_dtype, device=p.device)
         self.copy_recent_keys = torch.zeros(1, S, K, dtype=p.dtype, device=p.device)
         self.copy_writes = None
-        # copy_memory_delay: the copy keys, values and write strengths of the newest features, not yet folded
-        rq = r if cfg.copy_memory_delay else 0
-        self.copy_queue = (torch.zeros(1, 0, rq, dtype=p.dtype, device=p.device),) * 2 + (
-            torch.zeros(1, 0, dtype=p.dtype, device=p.device),)
+        # copy_memory_delay: the write strengths of the newest features, not yet folded (their copy keys and values
+        # are those copy_k / copy_v keep for the window)
+        self.copy_queue = torch.zeros(1, 0, dtype=p.dtype, device=p.device)
         for layer in drafter.layers:
             m = layer.memory
             if m is None:
@@ -239,11 +240,11 @@ class DrafterState:
             if e is not None:
                 self.copy_last_token = e[:, -1:]
             keep = d.config.attention_window or self.n + c.shape[1]
-            self.copy_k = torch.cat([self.copy_k, k], dim=1)[:, -keep:]
-            self.copy_v = torch.cat([self.copy_v, v], dim=1)[:, -keep:]
+            held_k, held_v = torch.cat([self.copy_k, k], dim=1), torch.cat([self.copy_v, v], dim=1)
+            self.copy_k, self.copy_v = held_k[:, -keep:], held_v[:, -keep:]
             self.copy_last = c[:, -1:]
             if d.config.copy_memory:
-                self._copy_memory_commit(k, v, d.copy_memory_beta(c))
+                self._copy_memory_commit(held_k, held_v, d.copy_memory_beta(c))
         cos, sin = rope_tables(torch.arange(self.n, self.n + c.shape[1], device=self.device), d.config.head_dim,
                                d.config.rope_theta, c.dtype)
         i = 0
@@ -264,17 +265,22 @@ class DrafterState:
         self.n += c.shape[1]
 
     def _copy_memory_commit(self, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor) -> None:
-        """Fold the copy memory's writes of new features (copy keys and values k, v [1, n, r], write strengths beta
-        [1, n]); with copy_memory_delay D, queue them and fold only those now more than D features old."""
+        """Fold the copy memory's writes of n new features (write strengths beta [1, n]). k, v [1, m, r]: the copy
+        keys and values of the last m ≥ n committed features, the new ones last (with copy_memory_delay D, m ≥ n +
+        min(n_before, D): the window's and the new ones). With D, queue the strengths and fold only the writes now
+        more than D features old."""
         d = self.drafter
         delay = d.config.copy_memory_delay
         if delay:
-            queue = tuple(torch.cat([a, b.to(a.dtype)], 1) for a, b in zip(self.copy_queue, (k, v, beta)))
-            due = queue[0].shape[1] - delay
-            self.copy_queue = tuple(a[:, max(due, 0):] for a in queue)
+            queue = torch.cat([self.copy_queue, beta.to(self.copy_queue.dtype)], 1)  # the last q features' strengths
+            q, due = queue.shape[1], queue.shape[1] - delay
+            self.copy_queue = queue[:, max(due, 0):]
             if due <= 0:
                 return
-            k, v, beta = (a[:, :due] for a in queue)
+            first = k.shape[1] - q  # the oldest queued feature in k, v (D <= window: the window still holds it)
+            k, v, beta = k[:, first:first + due], v[:, first:first + due], queue[:, :due]
+        else:
+            k, v = k[:, -beta.shape[1]:], v[:, -beta.shape[1]:]
         keys, vals, g, beta, self.copy_recent_keys = d.copy_memory_writes(k, v, beta, self.copy_recent_keys)
         new = tuple(x.to(self.state_dtype) for x in (keys, vals, g, beta))
         limit = d.config.memory_limit
@@ -399,7 +405,6 @@ class DrafterState:
             total += t.numel() * t.element_size()
         limit = self.drafter.config.memory_limit
         total += _writes_bytes(self.copy_writes, limit)  # memory_limit: counted at N writes
-        delay = self.drafter.config.copy_memory_delay  # copy_memory_delay: the queue, counted at its D features
-        total += sum(math.prod(a.shape[2:]) * a.element_size() * delay for a in self.copy_queue)
+        total += _writes_bytes((self.copy_queue,), self.drafter.config.copy_memory_delay)  # strengths of D features
         total += sum(_writes_bytes(r, limit) for r in self.recent)
         return total
