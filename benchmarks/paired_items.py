@@ -5,7 +5,11 @@ can, because what makes one prompt easy makes it easy for both.
 
     python benchmarks/paired_items.py reports/runs/smollm2-dpfp4-probe --base hyflash-dpfp4
 
-Reads ``raw.jsonl`` and ``run.json`` only (no model runs); prints the run's own machine, date and commit.
+Several runs may be given: a drafter evaluated later on the same prompts is then paired with those of an earlier run.
+They must share the target (its fingerprint), the settings that shape an item (suites' prompts, max new tokens, dtype)
+and, on every item two runs share, its prompt length and plain decoding's greedy tokens; a drafter label may appear in
+one run only. Reads ``raw.jsonl`` and ``run.json`` only (no model runs); prints each run's own machine, date and
+commit.
 """
 
 import argparse
@@ -38,20 +42,62 @@ def paired_rows(rows: list[dict], base: str, temperature: float = 0.0) -> list[d
     return out
 
 
+SHARED_SETTINGS = ("target", "target_fingerprint", "max_new_tokens", "seed", "dtype")
+
+
+def merge_runs(runs: list[tuple[str, dict, list[dict]]]) -> list[dict]:
+    """The rows of several runs (name, run.json, raw.jsonl rows) as one run's, after checking they can be paired: the
+    same target and item-shaping settings, a drafter label in one run only, and on each item two runs share the same
+    prompt length and (greedy) the same plain-decoding tokens. Raises SystemExit saying what differs."""
+    first_name, first, _ = runs[0]
+    for name, meta, _ in runs[1:]:
+        for key in SHARED_SETTINGS:
+            a, b = first["settings"].get(key), meta["settings"].get(key)
+            if a != b:
+                raise SystemExit(f"{name} and {first_name} differ in {key} ({b!r} vs {a!r}): not the same items")
+    owner: dict[str, str] = {}
+    seen: dict[str, tuple[str, int, list | None]] = {}  # item -> (run, prompt tokens, plain greedy tokens)
+    merged = []
+    for name, _, rows in runs:
+        for r in rows:
+            if r["drafter"] != "none" and owner.setdefault(r["drafter"], name) != name:
+                raise SystemExit(f"drafter {r['drafter']!r} is in both {owner[r['drafter']]} and {name}: "
+                                 f"label it differently in one of them")
+            plain = r.get("token_ids") if r["drafter"] == "none" and r["temperature"] == 0 else None
+            old = seen.get(r["item"])
+            if old is None or (old[2] is None and plain is not None):
+                seen[r["item"]] = (name, r["prompt_tokens"], plain)
+            if old is not None and old[0] != name:
+                if old[1] != r["prompt_tokens"]:
+                    raise SystemExit(f"item {r['item']}: {r['prompt_tokens']} prompt tokens in {name}, {old[1]} in "
+                                     f"{old[0]}: not the same prompt")
+                if plain is not None and old[2] is not None and plain != old[2]:
+                    raise SystemExit(f"item {r['item']}: plain greedy decoding differs between {name} and {old[0]}: "
+                                     f"not the same target output")
+            if r["drafter"] != "none" or old is None or old[0] == name:
+                merged.append(r)
+    return merged
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("run", help="a hyflash eval output folder (raw.jsonl, run.json)")
+    ap.add_argument("runs", nargs="+", metavar="run", help="hyflash eval output folders (raw.jsonl, run.json)")
     ap.add_argument("--base", required=True, help="the drafter every other is compared with (its label)")
     ap.add_argument("--temperature", type=float, default=0.0)
     args = ap.parse_args()
-    run = Path(args.run)
-    meta = json.loads((run / "run.json").read_text())
-    rows = [json.loads(line) for line in (run / "raw.jsonl").read_text().splitlines() if line.strip()]
+    runs = []
+    for run in map(Path, args.runs):
+        meta = json.loads((run / "run.json").read_text())
+        rows = [json.loads(line) for line in (run / "raw.jsonl").read_text().splitlines() if line.strip()]
+        runs.append((str(run), meta, rows))
+    rows = merge_runs(runs) if len(runs) > 1 else runs[0][2]
     if not any(r["drafter"] == args.base for r in rows):
-        raise SystemExit(f"no drafter {args.base!r} in {run} (it has {', '.join(sorted({r['drafter'] for r in rows}))})")
-    m = meta["machine"]
-    print(f"# {run}: started {meta['started']} | {m['cpu']} | {m['cores']} cores, torch threads {m['torch_threads']} | "
-          f"commit {meta['commit']} | {meta['command']}")
+        raise SystemExit(f"no drafter {args.base!r} in {', '.join(args.runs)} "
+                         f"(they have {', '.join(sorted({r['drafter'] for r in rows}))})")
+    for name, meta, _ in runs:
+        m = meta["machine"]
+        print(f"# {name}: started {meta['started']} | {m['cpu']} | {m['cores']} cores, torch threads "
+              f"{m['torch_threads']} | commit {meta['commit']} | {meta['command']}")
     print(f"suite  drafter  items  tau_{args.base}  tau  {args.base}_minus_drafter  paired_standard_error  "
           f"{args.base}_ahead  {args.base}_behind")
     for r in paired_rows(rows, args.base, args.temperature):

@@ -446,3 +446,39 @@ def test_paired_items_differences_are_per_item_and_their_standard_error_is_that_
     mean = sum(diffs) / 3
     assert r["se"] == pytest.approx((sum((x - mean) ** 2 for x in diffs) / 2 / 3) ** 0.5)
     assert paired_rows([row("a", "base", 1.5), row("a", "other", 1.0)], "base")[0]["se"] == 0.0
+
+
+def test_paired_items_merges_runs_on_the_same_items_and_refuses_runs_that_differ():
+    """paired_items.merge_runs on made-up rows (fake numbers): a drafter evaluated in a later run is paired with an
+    earlier run's on the items both hold; runs with another target, another prompt for an item, other plain greedy
+    tokens or the same drafter label twice are refused, saying which."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from paired_items import merge_runs, paired_rows
+
+    def meta(fingerprint="f0"):
+        return {"settings": {"target": "T", "target_fingerprint": fingerprint, "max_new_tokens": 8, "seed": 0,
+                             "dtype": "bf16"}}
+
+    def row(item, drafter, tau, prompt_tokens=100, token_ids=None):
+        return {"suite": "probe_distant", "item": item, "drafter": drafter, "tau": tau, "temperature": 0.0,
+                "prompt_tokens": prompt_tokens, **({"token_ids": token_ids} if token_ids is not None else {})}
+
+    early = [row("a", "none", 1.0, token_ids=[1, 2]), row("a", "base", 1.5), row("b", "none", 1.0, token_ids=[3]),
+             row("b", "base", 1.2)]
+    late = [row("a", "none", 1.0, token_ids=[1, 2]), row("a", "new", 1.1), row("b", "none", 1.0, token_ids=[3]),
+            row("b", "new", 1.3), row("c", "new", 2.0)]
+    merged = merge_runs([("early", meta(), early), ("late", meta(), late)])
+    assert sum(r["drafter"] == "none" for r in merged) == 2  # plain decoding once per item
+    (r,) = paired_rows(merged, "base")
+    assert (r["drafter"], r["items"], r["ahead"], r["behind"]) == ("new", 2, 1, 1)
+    assert r["diff"] == pytest.approx(((1.5 - 1.1) + (1.2 - 1.3)) / 2)
+    with pytest.raises(SystemExit, match="differ in target_fingerprint"):
+        merge_runs([("early", meta(), early), ("late", meta("f1"), late)])
+    with pytest.raises(SystemExit, match="item a: 99 prompt tokens in late, 100 in early"):
+        merge_runs([("early", meta(), early), ("late", meta(), [row("a", "new", 1.1, prompt_tokens=99)])])
+    with pytest.raises(SystemExit, match="item b: plain greedy decoding differs"):
+        merge_runs([("early", meta(), early), ("late", meta(), [row("b", "none", 1.0, token_ids=[4])])])
+    with pytest.raises(SystemExit, match="drafter 'base' is in both early and late"):
+        merge_runs([("early", meta(), early), ("late", meta(), [row("a", "base", 1.1)])])
