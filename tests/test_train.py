@@ -188,6 +188,14 @@ def test_cpu_has_fast_bf16_reads_the_cpus_flags(monkeypatch):
     for features, fast in [({"fp", "asimd"}, False), ({"fp", "asimd", "bf16"}, True)]:
         monkeypatch.setattr(k, "arm_features", lambda features=features: frozenset(features))
         assert k.cpu_has_fast_bf16() is fast
+    monkeypatch.setenv("HYFLASH_FAST_BF16", "0")  # the override, whatever the CPU has
+    assert k.cpu_has_fast_bf16() is False
+    monkeypatch.setenv("HYFLASH_FAST_BF16", "1")
+    monkeypatch.setattr(k, "arm_features", lambda: frozenset())
+    assert k.cpu_has_fast_bf16() is True
+    monkeypatch.setenv("HYFLASH_FAST_BF16", "yes")
+    with pytest.raises(HyflashError, match="HYFLASH_FAST_BF16='yes'"):
+        k.cpu_has_fast_bf16()
 
 
 def test_no_resume_refuses_a_directory_with_checkpoints(target, store, tmp_path):

@@ -65,7 +65,14 @@ def cpu_has_fast_bf16() -> bool:
     """Whether torch's bf16 matmuls run at least as fast as fp32 on this CPU: x86 with bf16 dot products (AVX-512 BF16
     or AMX), or Arm Linux with the BF16 extension. Elsewhere torch converts every operand and a bf16 matmul is several
     times slower than fp32 (on a 2-core AVX2 EPYC: a drafter's training step 111 s vs 7 s, Gemma 3 270M's feature
-    pass 14.8 vs 102.7 tokens/s)."""
+    pass 14.8 vs 102.7 tokens/s). ``HYFLASH_FAST_BF16`` 0 or 1 overrides the answer: with 0 a newer CPU takes the
+    fp32 paths an AVX2-only one does (with ``HYFLASH_KERNELS=avx2`` and torch's, MKL's and oneDNN's ISA capped to AVX2,
+    its bits too: see reports/README.md)."""
+    forced = os.environ.get("HYFLASH_FAST_BF16")
+    if forced is not None:
+        if forced not in ("0", "1"):
+            raise HyflashError(f"HYFLASH_FAST_BF16={forced!r}: use 0 or 1 (unset: decided by the CPU)")
+        return forced == "1"
     if cpu_is_aarch64_linux():
         return "bf16" in arm_features()
     return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
