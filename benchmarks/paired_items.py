@@ -8,8 +8,9 @@ can, because what makes one prompt easy makes it easy for both.
 Several runs may be given: a drafter evaluated later on the same prompts is then paired with those of an earlier run.
 They must share the target (its fingerprint), the settings that shape an item (suites' prompts, max new tokens, dtype)
 and, on every item two runs share, its prompt length and plain decoding's greedy tokens; a drafter label may appear in
-one run only. Reads ``raw.jsonl`` and ``run.json`` only (no model runs); prints each run's own machine, date and
-commit.
+one run only. ``--drop-differing`` leaves out the items whose plain greedy tokens differ instead (runs on CPUs
+whose matmuls round differently: see reports/README.md) and says how many. Reads ``raw.jsonl`` and ``run.json`` only
+(no model runs); prints each run's own machine, date and commit.
 """
 
 import argparse
@@ -45,10 +46,11 @@ def paired_rows(rows: list[dict], base: str, temperature: float = 0.0) -> list[d
 SHARED_SETTINGS = ("target", "target_fingerprint", "max_new_tokens", "seed", "dtype")
 
 
-def merge_runs(runs: list[tuple[str, dict, list[dict]]]) -> list[dict]:
+def merge_runs(runs: list[tuple[str, dict, list[dict]]], dropped: set | None = None) -> list[dict]:
     """The rows of several runs (name, run.json, raw.jsonl rows) as one run's, after checking they can be paired: the
     same target and item-shaping settings, a drafter label in one run only, and on each item two runs share the same
-    prompt length and (greedy) the same plain-decoding tokens. Raises SystemExit saying what differs."""
+    prompt length and (greedy) the same plain-decoding tokens. Raises SystemExit saying what differs; given a set
+    ``dropped``, items whose plain tokens differ are left out and added to it instead."""
     first_name, first, _ = runs[0]
     for name, meta, _ in runs[1:]:
         for key in SHARED_SETTINGS:
@@ -72,11 +74,14 @@ def merge_runs(runs: list[tuple[str, dict, list[dict]]]) -> list[dict]:
                     raise SystemExit(f"item {r['item']}: {r['prompt_tokens']} prompt tokens in {name}, {old[1]} in "
                                      f"{old[0]}: not the same prompt")
                 if plain is not None and old[2] is not None and plain != old[2]:
+                    if dropped is not None:
+                        dropped.add(r["item"])
+                        continue
                     raise SystemExit(f"item {r['item']}: plain greedy decoding differs between {name} and {old[0]}: "
                                      f"not the same target output")
             if r["drafter"] != "none" or old is None or old[0] == name:
                 merged.append(r)
-    return merged
+    return [r for r in merged if not dropped or r["item"] not in dropped]
 
 
 def main():
@@ -84,13 +89,16 @@ def main():
     ap.add_argument("runs", nargs="+", metavar="run", help="hyflash eval output folders (raw.jsonl, run.json)")
     ap.add_argument("--base", required=True, help="the drafter every other is compared with (its label)")
     ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--drop-differing", action="store_true",
+                    help="leave out items whose plain greedy tokens differ between runs (else: refuse)")
     args = ap.parse_args()
     runs = []
     for run in map(Path, args.runs):
         meta = json.loads((run / "run.json").read_text())
         rows = [json.loads(line) for line in (run / "raw.jsonl").read_text().splitlines() if line.strip()]
         runs.append((str(run), meta, rows))
-    rows = merge_runs(runs) if len(runs) > 1 else runs[0][2]
+    dropped = set() if args.drop_differing else None
+    rows = merge_runs(runs, dropped) if len(runs) > 1 else runs[0][2]
     if not any(r["drafter"] == args.base for r in rows):
         raise SystemExit(f"no drafter {args.base!r} in {', '.join(args.runs)} "
                          f"(they have {', '.join(sorted({r['drafter'] for r in rows}))})")
@@ -98,6 +106,9 @@ def main():
         m = meta["machine"]
         print(f"# {name}: started {meta['started']} | {m['cpu']} | {m['cores']} cores, torch threads "
               f"{m['torch_threads']} | commit {meta['commit']} | {meta['command']}")
+    if dropped:
+        items = {r["item"] for _, _, rs in runs for r in rs}
+        print(f"# left out: {len(dropped)} of {len(items)} items, where plain greedy decoding differs between runs")
     print(f"suite  drafter  items  tau_{args.base}  tau  {args.base}_minus_drafter  paired_standard_error  "
           f"{args.base}_ahead  {args.base}_behind")
     for r in paired_rows(rows, args.base, args.temperature):

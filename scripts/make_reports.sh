@@ -30,6 +30,9 @@ python benchmarks/paired_items.py $R/smollm2-dpfp4-probe --base hyflash-dpfp4 > 
 hyflash report $R/smollm2-dpfp4-1200-probe --out reports/smollm2-dpfp4-1200-probe
 python benchmarks/paired_items.py $R/smollm2-dpfp4-1200-probe --base hyflash-dpfp4-1200 \
     > $R/smollm2-dpfp4-1200-probe/paired.txt
+hyflash report $R/smollm2-dpfp4-mem256-probe --out reports/smollm2-dpfp4-mem256-probe
+python benchmarks/paired_items.py $R/smollm2-dpfp4-probe $R/smollm2-dpfp4-mem256-probe --base hyflash-dpfp4 \
+    > $R/smollm2-dpfp4-mem256-probe/paired.txt
 python benchmarks/compare_eval_runs.py $R/gemma3-gpu-long $R/gemma3-cpp-attention-ngram \
     > $R/gemma3-cpp-attention-ngram/compare_with_gemma3-gpu-long.txt
 
@@ -69,4 +72,7 @@ hyflash training-report $C/hyflash-copymemtok $D/hyflash-copymemtok-dpfp4 $D/hyf
 D=$R/smollm2-copymemtok-dpfp4-stage2
 hyflash training-report $D/hyflash-copymemtok-dpfp4 $D/swa-copytok --at-step 600 \
     --out reports/smollm2-copymemtok-dpfp4-stage2
+D=$R/smollm2-copymemtok-dpfp4
+hyflash training-report $D/hyflash-copymemtok-dpfp4 $R/smollm2-copymemtok-dpfp4-mem256/dpfp4-mem256 $D/swa-copytok \
+    --at-step 600 --out reports/smollm2-copymemtok-dpfp4-mem256
 echo "make_reports: every report rebuilt from reports/runs/"

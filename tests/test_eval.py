@@ -480,5 +480,10 @@ def test_paired_items_merges_runs_on_the_same_items_and_refuses_runs_that_differ
         merge_runs([("early", meta(), early), ("late", meta(), [row("a", "new", 1.1, prompt_tokens=99)])])
     with pytest.raises(SystemExit, match="item b: plain greedy decoding differs"):
         merge_runs([("early", meta(), early), ("late", meta(), [row("b", "none", 1.0, token_ids=[4])])])
+    dropped = set()  # or left out, when asked
+    other = [row("a", "none", 1.0, token_ids=[1, 2]), row("a", "new", 1.1), row("b", "none", 1.0, token_ids=[4]),
+             row("b", "new", 1.3)]
+    merged = merge_runs([("early", meta(), early), ("late", meta(), other)], dropped)
+    assert dropped == {"b"} and {r["item"] for r in merged} == {"a"}
     with pytest.raises(SystemExit, match="drafter 'base' is in both early and late"):
         merge_runs([("early", meta(), early), ("late", meta(), [row("a", "base", 1.1)])])
