@@ -75,4 +75,7 @@ hyflash training-report $D/hyflash-copymemtok-dpfp4 $D/swa-copytok --at-step 600
 D=$R/smollm2-copymemtok-dpfp4
 hyflash training-report $D/hyflash-copymemtok-dpfp4 $R/smollm2-copymemtok-dpfp4-mem256/dpfp4-mem256 $D/swa-copytok \
     --at-step 600 --out reports/smollm2-copymemtok-dpfp4-mem256
+D=$R/smollm2-copymemtok-dpfp4-stage2
+hyflash training-report $D/hyflash-copymemtok-dpfp4 $R/smollm2-copymemtok-dpfp4-mem256/dpfp4-mem256-stage2 \
+    $D/swa-copytok --at-step 300 --out reports/smollm2-copymemtok-dpfp4-mem256-stage2
 echo "make_reports: every report rebuilt from reports/runs/"
