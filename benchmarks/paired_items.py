@@ -105,7 +105,8 @@ def main():
     for name, meta, _ in runs:
         m = meta["machine"]
         print(f"# {name}: started {meta['started']} | {m['cpu']} | {m['cores']} cores, torch threads "
-              f"{m['torch_threads']} | commit {meta['commit']} | {meta['command']}")
+              f"{m['torch_threads']} | commit {meta['commit']} | {meta['command']}"
+              + (f" | env {' '.join(f'{k}={v}' for k, v in m['env'].items()) or '-'}" if "env" in m else ""))
     if dropped:
         items = {r["item"] for _, _, rs in runs for r in rs}
         print(f"# left out: {len(dropped)} of {len(items)} items, where plain greedy decoding differs between runs")

@@ -487,3 +487,24 @@ def test_paired_items_merges_runs_on_the_same_items_and_refuses_runs_that_differ
     assert dropped == {"b"} and {r["item"] for r in merged} == {"a"}
     with pytest.raises(SystemExit, match="drafter 'base' is in both early and late"):
         merge_runs([("early", meta(), early), ("late", meta(), [row("a", "base", 1.1)])])
+
+
+def test_a_run_records_the_numeric_settings_of_its_environment(monkeypatch):
+    """machine() keeps the kernel build and ISA settings that were set (two CPUs give the same greedy tokens only
+    with the same ones), and only those; the summary says them, and says nothing for older runs without them."""
+    from hyflash.evaluation.report import machine_env
+    from hyflash.evaluation.runner import NUMERIC_ENV, machine
+
+    for k in NUMERIC_ENV:
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    monkeypatch.setenv("HYFLASH_FAST_BF16", "0")
+    m = machine()
+    assert m["env"] == {"HYFLASH_FAST_BF16": "0", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    assert set(m["cpu_flags"]) <= {"avx2", "avx512f", "avx512_bf16", "amx_bf16"}
+    said = machine_env(m)
+    assert "HYFLASH_FAST_BF16=0 ONEDNN_MAX_CPU_ISA=AVX2" in said and f"Kernels {m['kernels']}" in said
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    monkeypatch.delenv("HYFLASH_FAST_BF16")
+    assert "none of the numeric settings" in machine_env(machine())
+    assert machine_env({"cpu": "x", "cores": 2, "torch_threads": 1, "kernels": "avx2"}) == ""

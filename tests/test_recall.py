@@ -143,3 +143,6 @@ def test_the_copy_recipes_differ_only_in_the_drafter():
         one = load_recipe(f"smollm2-copy-hyflash-copymemtok-dpfp4-{name}").to_dict()
         assert {k: x for k, x in one.items() if k not in ("drafter", "_comment")} == rest["hyflash"]
         assert one["drafter"] == {**dpfp["drafter"], **extra}
+    noslot = load_recipe("smollm2-copy-noslot-copymemtok-dpfp4").to_dict()  # its no-slot-attention ablation
+    assert {k: x for k, x in noslot.items() if k not in ("drafter", "_comment")} == rest["hyflash"]
+    assert noslot["drafter"] == {**dpfp["drafter"], "slot_attention": False}

@@ -73,11 +73,20 @@ def _bytes(lo_hi) -> str:
     return f"{lo:,}" if lo == hi else f"{lo:,}–{hi:,}"
 
 
+def machine_env(m: dict) -> str:
+    """The summary's sentence on kernels, CPU flags and numeric settings, for runs that recorded them ("" else)."""
+    if "env" not in m:
+        return ""
+    env = " ".join(f"{k}={v}" for k, v in m["env"].items()) or "none of the numeric settings"
+    return f" Kernels {m['kernels']}, CPU flags {' '.join(m['cpu_flags']) or 'none of note'}; environment: {env}."
+
+
 def summary_markdown(header: dict, agg: dict) -> str:
     s = header["settings"]
     lines = [f"# Evaluation: {s['target']}", "",
              f"Started {header['started']} on {header['machine']['cpu']} ({header['machine']['cores']} cores, "
-             f"torch threads {header['machine']['torch_threads']}), commit {header['commit']}.",
+             f"torch threads {header['machine']['torch_threads']}), commit {header['commit']}."
+             + machine_env(header['machine']),
              f"Command: `{header['command']}`", f"Data: {', '.join(f'{k} {v}' for k, v in header['data'].items())} "
              f"({header['note']}).", "",
              "| suite | bucket | drafter | T | n | τ | speedup (median) | tok/s | draft ms/round | verify ms/round | "

@@ -29,11 +29,24 @@ from hyflash.evaluation import suites as S
 FORMAT = 1
 
 
+# Settings that change a run's last bits (and so, at greedy ties, its tokens): the kernel build and the ISA that
+# torch, MKL and oneDNN may use. Two CPUs give the same greedy tokens only with the same ones (reports/README.md).
+NUMERIC_ENV = ("HYFLASH_KERNELS", "HYFLASH_FAST_BF16", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS",
+               "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+
+
 def machine() -> dict:
+    """The CPU, its ISA flags that matter here, torch's build and threads, and the numeric settings set in the
+    environment (``env``: only those set)."""
     cpu = platform.processor() or platform.machine()
+    flags: list[str] = []
     try:
         with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+            lines = f.read().splitlines()
+        cpu = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
+        have = set(next(line.split(":", 1)[1].split() for line in lines if line.startswith("flags")))
+        flags = [f for f in CPU_FLAGS if f in have]
     except (OSError, StopIteration):
         pass
     try:
@@ -41,7 +54,8 @@ def machine() -> dict:
     except HyflashError:  # a bad HYFLASH_KERNELS: the run that uses the kernels says so
         build = None
     return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "torch": torch.__version__, "python": platform.python_version(), "kernels": build or "off"}
+            "torch": torch.__version__, "python": platform.python_version(), "kernels": build or "off",
+            "cpu_flags": flags, "env": {k: os.environ[k] for k in NUMERIC_ENV if k in os.environ}}
 
 
 def git_commit() -> str:
