@@ -33,6 +33,11 @@ python benchmarks/paired_items.py $R/smollm2-dpfp4-1200-probe --base hyflash-dpf
 hyflash report $R/smollm2-dpfp4-mem256-probe --out reports/smollm2-dpfp4-mem256-probe
 python benchmarks/paired_items.py $R/smollm2-dpfp4-probe $R/smollm2-dpfp4-mem256-probe --base hyflash-dpfp4 \
     > $R/smollm2-dpfp4-mem256-probe/paired.txt
+hyflash report $R/smollm2-dpfp4-slot-noslot-probe --out reports/smollm2-dpfp4-slot-noslot-probe
+python benchmarks/paired_items.py $R/smollm2-dpfp4-slot-noslot-probe --base hyflash-dpfp4 \
+    > $R/smollm2-dpfp4-slot-noslot-probe/paired.txt
+python benchmarks/paired_items.py $R/smollm2-dpfp4-probe $R/smollm2-dpfp4-noslot-probe --base hyflash-dpfp4 --drop-differing \
+    > $R/smollm2-dpfp4-noslot-probe/paired.txt
 python benchmarks/compare_eval_runs.py $R/gemma3-gpu-long $R/gemma3-cpp-attention-ngram \
     > $R/gemma3-cpp-attention-ngram/compare_with_gemma3-gpu-long.txt
 
@@ -78,4 +83,7 @@ hyflash training-report $D/hyflash-copymemtok-dpfp4 $R/smollm2-copymemtok-dpfp4-
 D=$R/smollm2-copymemtok-dpfp4-stage2
 hyflash training-report $D/hyflash-copymemtok-dpfp4 $R/smollm2-copymemtok-dpfp4-mem256/dpfp4-mem256-stage2 \
     $D/swa-copytok --at-step 300 --out reports/smollm2-copymemtok-dpfp4-mem256-stage2
+N=$R/smollm2-copymemtok-dpfp4-noslot
+hyflash training-report $R/smollm2-copymemtok-dpfp4/hyflash-copymemtok-dpfp4 $N/dpfp4-same-machine $N/dpfp4-noslot \
+    $R/smollm2-copymemtok-dpfp4/swa-copytok --at-step 600 --out reports/smollm2-copymemtok-dpfp4-noslot
 echo "make_reports: every report rebuilt from reports/runs/"
