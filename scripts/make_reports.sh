@@ -36,6 +36,8 @@ python benchmarks/paired_items.py $R/smollm2-dpfp4-probe $R/smollm2-dpfp4-mem256
 hyflash report $R/smollm2-dpfp4-slot-noslot-probe --out reports/smollm2-dpfp4-slot-noslot-probe
 python benchmarks/paired_items.py $R/smollm2-dpfp4-slot-noslot-probe --base hyflash-dpfp4 \
     > $R/smollm2-dpfp4-slot-noslot-probe/paired.txt
+python benchmarks/paired_items.py $R/smollm2-dpfp4-slot-noslot-probe $R/smollm2-dpfp4-noslot-cut-probe --base dpfp4-noslot \
+    > $R/smollm2-dpfp4-noslot-cut-probe/paired.txt
 python benchmarks/paired_items.py $R/smollm2-dpfp4-probe $R/smollm2-dpfp4-noslot-probe --base hyflash-dpfp4 --drop-differing \
     > $R/smollm2-dpfp4-noslot-probe/paired.txt
 python benchmarks/compare_eval_runs.py $R/gemma3-gpu-long $R/gemma3-cpp-attention-ngram \
