@@ -40,6 +40,9 @@ python benchmarks/paired_items.py $R/smollm2-dpfp4-slot-noslot-probe $R/smollm2-
     > $R/smollm2-dpfp4-noslot-cut-probe/paired.txt
 python benchmarks/paired_items.py $R/smollm2-dpfp4-probe $R/smollm2-dpfp4-noslot-probe --base hyflash-dpfp4 --drop-differing \
     > $R/smollm2-dpfp4-noslot-probe/paired.txt
+hyflash report $R/smollm2-dpfp4-noslot-four-probe --out reports/smollm2-dpfp4-noslot-four-probe
+python benchmarks/paired_items.py $R/smollm2-dpfp4-noslot-four-probe --base dpfp4-noslot \
+    > $R/smollm2-dpfp4-noslot-four-probe/paired.txt
 python benchmarks/compare_eval_runs.py $R/gemma3-gpu-long $R/gemma3-cpp-attention-ngram \
     > $R/gemma3-cpp-attention-ngram/compare_with_gemma3-gpu-long.txt
 
@@ -88,4 +91,7 @@ hyflash training-report $D/hyflash-copymemtok-dpfp4 $R/smollm2-copymemtok-dpfp4-
 N=$R/smollm2-copymemtok-dpfp4-noslot
 hyflash training-report $R/smollm2-copymemtok-dpfp4/hyflash-copymemtok-dpfp4 $N/dpfp4-same-machine $N/dpfp4-noslot \
     $R/smollm2-copymemtok-dpfp4/swa-copytok --at-step 600 --out reports/smollm2-copymemtok-dpfp4-noslot
+C=$R/smollm2-copymemtok-dpfp4-noslot-controls
+hyflash training-report $N/dpfp4-noslot $C/dpfp4-noslot-mem256 $C/swa-noslot --at-step 600 \
+    --out reports/smollm2-copymemtok-dpfp4-noslot-controls
 echo "make_reports: every report rebuilt from reports/runs/"
