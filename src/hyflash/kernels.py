@@ -9,9 +9,8 @@ on NEON (64-bit Arm Linux: phones, Arm boards and servers), the AVX2 build's sch
 the AVX2 build's bits (csrc/simd.h). In every build each output element is one fp32 sum taken in the same order
 whatever the number of rows, so verifying k drafted tokens gives each token the bits a 1-token step would: greedy
 speculative decoding in bf16 is token-identical to plain decoding. (The AMX build may differ from the others in the
-last bit, since TDPBF16PS adds a pair's even product first and VDPBF16PS its odd one, which a test checks; the other
-three agree, which a test checks against a committed reference.) macOS is not built: Apple's
-compiler has no OpenMP, which the build uses.
+last bit: TDPBF16PS adds a pair's even product first, VDPBF16PS its odd one. The other three agree with a committed
+reference. Tests check both.) macOS is not built: Apple's compiler has no OpenMP, which the build uses.
 
 ``amx()`` returns the compiled module, or None where it cannot run — neither x86-64 nor AArch64 Linux, an x86 CPU
 without AVX2 and FMA in its flags, no C++ compiler, a failed build, or ``HYFLASH_KERNELS=0`` — and callers then use oneDNN
