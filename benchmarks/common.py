@@ -2,12 +2,13 @@
 
 import datetime
 
+from hyflash.evaluation.report import cpu_name
 from hyflash.evaluation.runner import git_commit, machine
 
 
 def machine_line() -> str:
     m = machine()  # the same description `hyflash eval` records in run.json
-    return (f"# {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC | {m['cpu']} | {m['cores']} cores, "
+    return (f"# {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC | {cpu_name(m)} | {m['cores']} cores, "
             f"torch threads {m['torch_threads']} | torch {m['torch']} | kernels {m['kernels']} | commit {git_commit()}")
 
 

@@ -19,6 +19,8 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
+from hyflash.evaluation.report import cpu_name
+
 
 def paired_rows(rows: list[dict], base: str, temperature: float = 0.0) -> list[dict]:
     """Per suite and drafter (other than ``base`` and plain decoding): items shared with ``base``, both means, the
@@ -104,7 +106,7 @@ def main():
                          f"(they have {', '.join(sorted({r['drafter'] for r in rows}))})")
     for name, meta, _ in runs:
         m = meta["machine"]
-        print(f"# {name}: started {meta['started']} | {m['cpu']} | {m['cores']} cores, torch threads "
+        print(f"# {name}: started {meta['started']} | {cpu_name(m)} | {m['cores']} cores, torch threads "
               f"{m['torch_threads']} | commit {meta['commit']} | {meta['command']}"
               + (f" | env {' '.join(f'{k}={v}' for k, v in m['env'].items()) or '-'}" if "env" in m else ""))
     if dropped:

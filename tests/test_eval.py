@@ -508,3 +508,22 @@ def test_a_run_records_the_numeric_settings_of_its_environment(monkeypatch):
     monkeypatch.delenv("HYFLASH_FAST_BF16")
     assert "none of the numeric settings" in machine_env(machine())
     assert machine_env({"cpu": "x", "cores": 2, "torch_threads": 1, "kernels": "avx2"}) == ""
+
+
+def test_a_run_names_the_cpu_family_and_model_where_the_os_says_them():
+    """Virtual machines name different CPU generations alike ("AMD EPYC"); the run keeps /proc/cpuinfo's family and
+    model beside the name, and older run.json files without them read as before."""
+    import re
+    from pathlib import Path
+
+    from hyflash.evaluation.report import cpu_name
+    from hyflash.evaluation.runner import machine
+
+    m = machine()
+    info = Path("/proc/cpuinfo")
+    if info.exists() and "cpu family" in info.read_text():
+        assert re.fullmatch(r"family \d+ model \d+", m["cpu_id"])
+        assert cpu_name(m) == f"{m['cpu']} ({m['cpu_id']})"
+    else:
+        assert m["cpu_id"] == "" and cpu_name(m) == m["cpu"]
+    assert cpu_name({"cpu": "AMD EPYC", "cores": 2}) == "AMD EPYC"

@@ -81,10 +81,15 @@ def machine_env(m: dict) -> str:
     return f" Kernels {m['kernels']}, CPU flags {' '.join(m['cpu_flags']) or 'none of note'}; environment: {env}."
 
 
+def cpu_name(m: dict) -> str:
+    """A run's ``machine()`` record: its CPU name with its family and model where known (run.json files before 2026-12-05 lack them)."""
+    return f"{m['cpu']} ({m['cpu_id']})" if m.get("cpu_id") else m["cpu"]
+
+
 def summary_markdown(header: dict, agg: dict) -> str:
     s = header["settings"]
     lines = [f"# Evaluation: {s['target']}", "",
-             f"Started {header['started']} on {header['machine']['cpu']} ({header['machine']['cores']} cores, "
+             f"Started {header['started']} on {cpu_name(header['machine'])} ({header['machine']['cores']} cores, "
              f"torch threads {header['machine']['torch_threads']}), commit {header['commit']}."
              + machine_env(header['machine']),
              f"Command: `{header['command']}`", f"Data: {', '.join(f'{k} {v}' for k, v in header['data'].items())} "

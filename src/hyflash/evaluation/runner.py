@@ -38,8 +38,10 @@ CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
 
 def machine() -> dict:
     """The CPU, its ISA flags that matter here, torch's build and threads, and the numeric settings set in the
-    environment (``env``: only those set)."""
+    environment (``env``: only those set). ``cpu_id`` is the x86 family and model: virtual machines often name
+    every CPU of a vendor alike ("AMD EPYC"), and two generations behind one name differ in speed and kernels."""
     cpu = platform.processor() or platform.machine()
+    cpu_id = ""
     flags: list[str] = []
     try:
         with open("/proc/cpuinfo") as f:
@@ -47,13 +49,16 @@ def machine() -> dict:
         cpu = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
         have = set(next(line.split(":", 1)[1].split() for line in lines if line.startswith("flags")))
         flags = [f for f in CPU_FLAGS if f in have]
+        field = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in lines[:30])}
+        if "cpu family" in field and "model" in field:
+            cpu_id = f"family {field['cpu family']} model {field['model']}"
     except (OSError, StopIteration):
         pass
     try:
         build = kernels.isa()
     except HyflashError:  # a bad HYFLASH_KERNELS: the run that uses the kernels says so
         build = None
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+    return {"cpu": cpu, "cpu_id": cpu_id, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "torch": torch.__version__, "python": platform.python_version(), "kernels": build or "off",
             "cpu_flags": flags, "env": {k: os.environ[k] for k in NUMERIC_ENV if k in os.environ}}
 
