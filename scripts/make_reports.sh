@@ -46,6 +46,9 @@ python benchmarks/paired_items.py $R/smollm2-dpfp4-noslot-four-probe --base dpfp
 hyflash report $R/smollm2-dpfp4-noslot-three-probe-t1 --out reports/smollm2-dpfp4-noslot-three-probe-t1
 python benchmarks/paired_items.py $R/smollm2-dpfp4-noslot-three-probe-t1 --base dpfp4-noslot --temperature 1.0 \
     > $R/smollm2-dpfp4-noslot-three-probe-t1/paired.txt
+hyflash report $R/smollm2-dpfp4-noslot-1200-probe --out reports/smollm2-dpfp4-noslot-1200-probe
+python benchmarks/paired_items.py $R/smollm2-dpfp4-noslot-1200-probe --base dpfp4-noslot-1200 \
+    > $R/smollm2-dpfp4-noslot-1200-probe/paired.txt
 python benchmarks/compare_eval_runs.py $R/gemma3-gpu-long $R/gemma3-cpp-attention-ngram \
     > $R/gemma3-cpp-attention-ngram/compare_with_gemma3-gpu-long.txt
 
