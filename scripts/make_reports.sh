@@ -46,9 +46,15 @@ python benchmarks/paired_items.py $R/smollm2-dpfp4-noslot-four-probe --base dpfp
 hyflash report $R/smollm2-dpfp4-noslot-three-probe-t1 --out reports/smollm2-dpfp4-noslot-three-probe-t1
 python benchmarks/paired_items.py $R/smollm2-dpfp4-noslot-three-probe-t1 --base dpfp4-noslot --temperature 1.0 \
     > $R/smollm2-dpfp4-noslot-three-probe-t1/paired.txt
-hyflash report $R/smollm2-dpfp4-noslot-1200-probe --out reports/smollm2-dpfp4-noslot-1200-probe
+hyflash report $R/smollm2-dpfp4-noslot-1200-probe $R/smollm2-dpfp4-noslot-1200-swa-probe \
+    --out reports/smollm2-dpfp4-noslot-1200-probe
 python benchmarks/paired_items.py $R/smollm2-dpfp4-noslot-1200-probe --base dpfp4-noslot-1200 \
     > $R/smollm2-dpfp4-noslot-1200-probe/paired.txt
+python benchmarks/paired_items.py $R/smollm2-dpfp4-noslot-1200-probe $R/smollm2-dpfp4-noslot-1200-swa-probe \
+    --base dpfp4-noslot-1200 > $R/smollm2-dpfp4-noslot-1200-swa-probe/paired.txt
+hyflash report $R/smollm2-dpfp4-noslot-1200-t1 --out reports/smollm2-dpfp4-noslot-1200-t1
+python benchmarks/paired_items.py $R/smollm2-dpfp4-noslot-1200-t1 --base dpfp4-noslot-1200 --temperature 1.0 \
+    > $R/smollm2-dpfp4-noslot-1200-t1/paired.txt
 python benchmarks/compare_eval_runs.py $R/gemma3-gpu-long $R/gemma3-cpp-attention-ngram \
     > $R/gemma3-cpp-attention-ngram/compare_with_gemma3-gpu-long.txt
 
@@ -100,4 +106,8 @@ hyflash training-report $R/smollm2-copymemtok-dpfp4/hyflash-copymemtok-dpfp4 $N/
 C=$R/smollm2-copymemtok-dpfp4-noslot-controls
 hyflash training-report $N/dpfp4-noslot $C/dpfp4-noslot-mem256 $C/swa-noslot --at-step 600 \
     --out reports/smollm2-copymemtok-dpfp4-noslot-controls
+S=$R/smollm2-copymemtok-dpfp4-noslot-stage2
+D=$R/smollm2-copymemtok-dpfp4-stage2
+hyflash training-report $S/dpfp4-noslot-1200 $S/swa-noslot-1200 $D/hyflash-copymemtok-dpfp4 $D/swa-copytok \
+    --at-step 600 --out reports/smollm2-copymemtok-dpfp4-noslot-stage2
 echo "make_reports: every report rebuilt from reports/runs/"

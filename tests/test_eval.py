@@ -240,6 +240,27 @@ def test_report_from_a_fake_result_set(tmp_path):
         build_report([tmp_path / "nothing"], tmp_path / "r2")
 
 
+def test_a_report_over_two_runs_counts_each_prompt_once(tmp_path):
+    """FAKE NUMBERS (a fixture): two runs over the same prompts each carry the plain baseline; the table's n is the
+    number of prompts (3), not the baseline's rows (6)."""
+    runs = []
+    for name, drafter in (("run_a", "a"), ("run_b", "b")):
+        run = tmp_path / name
+        run.mkdir()
+        (run / "run.json").write_text(json.dumps({"settings": {"target": "fake"}, "command": f"hyflash eval {name}",
+                                                  "drafter_info": {}}))
+        rows = [{"item": f"probe_distant/512-1K/{i}", "suite": "probe_distant", "bucket": "512-1K",
+                 "prompt_tokens": 700, "drafter": d, "temperature": 0.0, "tau": 1.0 if d == "none" else 1.5,
+                 "rounds": 10, "new_tokens": 10, "histogram": {"1": 10}, "decode_s": 1.0, "tokens_per_s": 10.0,
+                 "draft_ms": 1.0, "verify_ms": 9.0, "drafter_state_bytes": 0, "target_kv_bytes": 70000}
+                for i in range(3) for d in ("none", drafter)]
+        (run / "raw.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        runs.append(run)
+    md = build_report(runs, tmp_path / "report", fake=True).read_text()
+    assert "| none | a | b |" in md
+    assert "| 512-1K (n=3) | 1.00 | 1.50 | 1.50 |" in md
+
+
 def test_shared_prefill_gives_the_same_generation_and_stays_unchanged(tiny_setup):
     from hyflash.decoding import SamplingConfig, generate, prefill
     from hyflash.proposers import load_proposer

@@ -153,7 +153,9 @@ def build_report(run_dirs: list, out_dir, fake: bool = False) -> Path:
                    "| prompt length | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
             for b in buckets:
                 cells = [f"{agg[(suite, b, d, t)]['tau']:.2f}" if (suite, b, d, t) in agg else "–" for d in cols]
-                n = max((agg[(suite, b, d, t)]["n"] for d in cols if (suite, b, d, t) in agg), default=0)
+                # distinct prompts, so the plain baseline that every run repeats is not counted once per run
+                n = len({r["item"] for r in rows
+                         if (r["suite"], r["bucket"], r["temperature"]) == (suite, b, t)})
                 md.append(f"| {b} (n={n}) | " + " | ".join(cells) + " |")
             md.append("")
     md += paper_claims(agg, infos)
