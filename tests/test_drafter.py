@@ -662,3 +662,43 @@ def test_copy_token_drafter_round_trips_and_generates_losslessly(tmp_path):
     fresh.commit(target.forward(torch.tensor(ids), target.new_cache()).features, ids)
     torch.testing.assert_close(proposer.state.copy_k, fresh.copy_k, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(proposer.state.copy_last_token, fresh.copy_last_token, rtol=0, atol=0)
+
+
+def test_draft_temperature_sets_the_distribution_guesses_are_drawn_from(tmp_path):
+    """~0: the drafter's argmax as a point mass while the target samples (the same guesses greedy decoding gets);
+    ~T: q = softmax(logits / T); no suffix: the target's temperature. The spec forms parse, and bad ones say why."""
+    from hyflash.decoding import target_probs
+    from hyflash.proposers import split_draft_temperature
+
+    target = tiny_llama(vocab=50, hidden=32)
+    torch.manual_seed(0)
+    save_pretrained(new_drafter(DrafterConfig(**{**TINY, "hidden_size": 32}), target), tmp_path / "d", dtype=None)
+    path = str(tmp_path / "d")
+    prompt = torch.randint(1, 49, (30,)).tolist()
+    feats = target.forward(torch.tensor(prompt), target.new_cache(), features=True).features
+    sampled = SamplingConfig(temperature=1.0, seed=0)
+
+    def drafted(spec, sampling):
+        prop = load_proposer(spec + "#0", target, seed=0)
+        prop.reset(prompt)
+        prop.commit(prompt, feats)
+        return prop, prop.draft(prompt[-1], 4, sampling)
+
+    _, greedy = drafted(path, SamplingConfig())
+    prop, argmax = drafted(path + "~0", sampled)
+    assert prop.draft_temperature == 0.0
+    assert argmax.tokens == greedy.tokens and argmax.probs is None  # a point mass: accepted with the target's p
+    _, own = drafted(path, sampled)
+    assert own.probs is not None and torch.allclose(own.probs.sum(-1), torch.ones(len(own.tokens)))
+    prop, cool = drafted(path + "~0.5", sampled)
+    logits = prop.state.draft_logits(prompt[-1], None)[:4]
+    want = prop.drafter.full_vocab(target_probs(logits, SamplingConfig(temperature=0.5)))
+    assert torch.allclose(cool.probs, want, atol=1e-6)
+    assert load_proposer("ngram+" + path + "~0@0.1", target).drafter.draft_temperature == 0.0
+    assert split_draft_temperature("~/runs/d") == ("~/runs/d", None)  # a home path, not a suffix
+    with pytest.raises(HyflashError, match="must be >= 0"):
+        load_proposer(path + "~-1", target)
+    with pytest.raises(HyflashError, match="has none"):
+        load_proposer("ngram~0", target)
+    out = generate(target, prompt, load_proposer(path + "~0", target, seed=0), max_new_tokens=12, sampling=sampled)
+    assert len(out.token_ids) == 12 and out.stats.rounds > 0

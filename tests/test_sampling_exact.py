@@ -444,3 +444,28 @@ def test_max_new_tokens_is_respected_exactly(no_eos, greedy):
             kept = min(7, max(n - 2, 0))
             assert r.token_ids[1:1 + kept] == block[:kept]
             assert all(m <= n - 2 for m in proposer.max_tokens_seen)  # never offered more than the room left
+
+
+# ------------------------------------------------------------------- point-mass guesses while the target samples
+class ArgmaxProposer(DistortedProposer):
+    """Sends the argmax of the same wrong q as a point mass (``Draft`` without probabilities), as a drafter does with
+    a draft temperature of 0 and prompt lookup always does, while the target samples."""
+
+    def draft(self, anchor, max_tokens, sampling):
+        k = min(self.block_size, max_tokens)
+        return Draft(self.q_logits[anchor, :k].argmax(-1).tolist())
+
+
+def test_point_mass_guesses_keep_the_target_joint_distribution(target):
+    sampling_kw = CONFIGS["temperature_1"]
+    q_logits = distorted_q_logits(target)
+    dist = exact_distribution(target, SamplingConfig(**sampling_kw), N_TOKENS)
+    outcomes = []
+    for i in range(RUNS):
+        r = generate(target, PROMPT, ArgmaxProposer(q_logits, seed=i), max_new_tokens=MAX_NEW,
+                     sampling=SamplingConfig(seed=i, **sampling_kw))
+        outcomes.append(tuple(r.token_ids[:N_TOKENS]))
+    assert all(o in dist for o in outcomes), "generated a sequence the target gives probability 0"
+    pvalue = chi_square_pvalue(outcomes, dist)
+    print(f"point-mass guesses: chi-square p-value {pvalue:.3g} over {RUNS} runs")
+    assert pvalue > P_PASS, f"p-value {pvalue:.2e}"

@@ -41,7 +41,9 @@ def cli():
               help="none | ngram | auto (the shipped drafter) | path to a drafter checkpoint | ngram+auto, ngram+PATH "
                    "(prompt lookup when the text repeats, else the drafter). A drafter may end in @C (adaptive block "
                    "length, e.g. auto@0.05) or #N (greedy: verify a tree of N candidates, e.g. auto#12; default 4, "
-                   "2 on the AVX2 and NEON builds of our kernels, where a verify's cost grows with its rows). "
+                   "2 on the AVX2 and NEON builds of our kernels, where a verify's cost grows with its rows), and before them "
+                   "~T, the temperature the drafter samples its guesses at when --temperature > 0 (e.g. auto~0: its "
+                   "argmax; default: the target's). "
                    "paced:SPEC drafts with SPEC or takes plain steps, whichever measures faster. "
                    "Default: ngram+auto where a drafter ships for the target (the fastest we measured), else ngram.")
 @click.option("--max-new-tokens", default=128, show_default=True, type=int)
@@ -141,7 +143,8 @@ def budget(target, drafter, context, weight_bits, embed_bits, kv_bits, drafter_b
 @cli.command("eval")
 @click.option("--target", default="smollm2-135m", show_default=True)
 @click.option("--drafters", default="none,ngram,auto", show_default=True,
-              help="Comma-separated: none, ngram, auto, PATH or LABEL=PATH ('none' is always run: the baseline).")
+              help="Comma-separated: none, ngram, auto, PATH or LABEL=PATH ('none' is always run: the baseline); a "
+                   "drafter spec takes the suffixes --drafter of 'hyflash generate' lists (e.g. LABEL=PATH~0).")
 @click.option("--suites", default="mtbench", show_default=True,
               help="Comma-separated; short: mtbench, mtbench2, humaneval, gsm8k, math, writing; long: hotpotqa, "
                    "reports, longcode, probe_nearby, probe_distant.")

@@ -6,6 +6,7 @@ from the anchor without changing what it has committed.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import time
 from pathlib import Path
@@ -118,9 +119,11 @@ class HyFlashProposer:
     needs_features = True
 
     def __init__(self, drafter: drafter_model.HyFlashDrafter, seed: int | None = None, confidence: float = 0.0,
-                 tree: int = 0, branching: int = 3, weights: str = "bf16"):
+                 tree: int = 0, branching: int = 3, weights: str = "bf16", draft_temperature: float | None = None):
         if not 0.0 <= confidence <= 1.0:
             raise HyflashError(f"confidence must be in [0, 1], got {confidence}")
+        if draft_temperature is not None and not draft_temperature >= 0.0:
+            raise HyflashError(f"draft temperature must be >= 0, got {draft_temperature}")
         if tree < 0 or branching < 1:
             raise HyflashError(f"tree must be >= 0 nodes and branching >= 1, got {tree} and {branching}")
         if weights not in WEIGHTS:
@@ -147,6 +150,13 @@ class HyFlashProposer:
         # slots are. The target verifies them all in one forward (hyflash.fast.tree_mask) and keeps the longest
         # path it agrees with. 0: a chain.
         self.tree, self.branching = tree, branching
+        # The temperature of the distribution q the drafter samples its guesses from when the target samples (greedy
+        # decoding ignores it). None: the target's own settings. 0: the drafter's argmax, sent as a point mass, so a
+        # guess is accepted with the target's probability of it (as prompt lookup's are). Any q is exact: the
+        # acceptance rule uses the q the guess came from (DESIGN §1); only how often guesses are accepted changes.
+        # A distilled drafter's q is flatter than the target's where it copies, so its argmax may be accepted more
+        # often than its samples (benchmarks/paired_items.py on the probes at temperature 1.0 measures it).
+        self.draft_temperature = draft_temperature
         self.state: DrafterState | None = None
 
     @classmethod
@@ -174,11 +184,11 @@ class HyFlashProposer:
             logits = self.state.draft_logits(anchor, min(k, self.tree) if tree else None)[:k]
             if tree:
                 return self._tree(logits, min(self.tree, max_tokens))
-            if sampling.greedy:
+            if sampling.greedy or self.draft_temperature == 0.0:  # a point mass on the argmax
                 index = logits.max(-1).indices  # the first maximal index, as argmax (and faster in bf16)
                 keep = self._keep(logits, index)
                 return Draft(d.token_ids(index[:keep]).tolist())
-            q = target_probs(logits, sampling)
+            q = target_probs(logits, self._draft_sampling(sampling))
             index = torch.multinomial(q, 1, generator=self.gen)[:, 0]
             keep = self._keep(q, index, probs=True)
             return Draft(d.token_ids(index[:keep]).tolist(), d.full_vocab(q[:keep]))
@@ -186,12 +196,19 @@ class HyFlashProposer:
         tokens, probs, prev = [], [], anchor
         for i in range(k):  # left to right: slot i's logits are biased by the token drafted at slot i−1
             hi = h[i] if i == 0 else h[i] + d.causal_bias_hidden(torch.tensor(prev, device=h.device))
-            q = target_probs(d.logits(hi), sampling)
-            index = q.argmax() if sampling.greedy else torch.multinomial(q, 1, generator=self.gen)[0]
+            point_mass = sampling.greedy or self.draft_temperature == 0.0
+            q = target_probs(d.logits(hi), sampling if point_mass else self._draft_sampling(sampling))
+            index = q.argmax() if point_mass else torch.multinomial(q, 1, generator=self.gen)[0]
             prev = int(d.token_ids(index))
             tokens.append(prev)
             probs.append(q)
-        return Draft(tokens, None if sampling.greedy else d.full_vocab(torch.stack(probs)))
+        return Draft(tokens, None if point_mass else d.full_vocab(torch.stack(probs)))
+
+    def _draft_sampling(self, sampling: SamplingConfig) -> SamplingConfig:
+        """The settings q is drawn with: the target's, at the draft temperature where one is set."""
+        if self.draft_temperature is None:
+            return sampling
+        return dataclasses.replace(sampling, temperature=self.draft_temperature)
 
     def _tree(self, logits: torch.Tensor, budget: int) -> Draft:
         """The ``budget`` most probable candidate nodes (slot d's token r has probability p[d, r]; a node's score
@@ -402,6 +419,21 @@ def split_weights(spec: str) -> tuple[str, str | None]:
     return (base, suffix) if base and suffix in WEIGHTS else (spec, None)
 
 
+def split_draft_temperature(spec: str) -> tuple[str, float | None]:
+    """``SPEC~T`` → (SPEC, draft temperature T); anything else → (spec, None). A ``~`` followed by a path (``~/runs``)
+    is not a suffix."""
+    base, sep, value = spec.rpartition("~")
+    if not sep or not base or "/" in value:
+        return spec, None
+    try:
+        t = float(value)
+    except ValueError:  # a directory named with a ~: the caller reports it if it does not exist
+        return spec, None
+    if not t >= 0.0:
+        raise HyflashError(f"draft temperature must be >= 0, got {value!r} after ~ in the drafter spec")
+    return base, t
+
+
 def split_spec(spec: str) -> tuple[str, float | None, int | None]:
     """``BASE[@C][#N]`` → (BASE, confidence C or None, tree size N or None)."""
     confidence = tree = None
@@ -427,7 +459,8 @@ def tree_nodes(proposer) -> int | None:
 
 
 def load_proposer(spec: str, target, block_size: int | None = None, seed: int | None = None,
-                  confidence: float | None = None, tree: int | None = None, weights: str | None = None):
+                  confidence: float | None = None, tree: int | None = None, weights: str | None = None,
+                  draft_temperature: float | None = None):
     """``none`` | ``ngram`` | ``random`` | ``auto`` (the drafter shipped for this target, else ngram) | a drafter
     checkpoint directory | ``ngram+auto`` or ``ngram+PATH`` (prompt lookup when it matches, else that drafter).
     A drafter spec may end in ``@C`` (e.g. ``auto@0.1``): adaptive block length with that confidence
@@ -435,23 +468,30 @@ def load_proposer(spec: str, target, block_size: int | None = None, seed: int | 
     ``auto#12``): greedy decoding verifies a tree of N candidate tokens instead of a chain (``#0``: a chain);
     ``tree`` likewise. Without either, a drafter sends a tree of ``default_tree()`` nodes (an adaptive block length
     alone means a chain). A trailing ``:bf16`` or ``:int8`` (e.g. ``auto#4:int8``; ``weights`` likewise) chooses the
-    weights the C++ drafting path reads (``HyFlashProposer``; default ``DEFAULT_WEIGHTS``). ``paced:SPEC`` (e.g.
+    weights the C++ drafting path reads (``HyFlashProposer``; default ``DEFAULT_WEIGHTS``). ``~T`` before any ``@C``
+    or ``#N`` (e.g. ``auto~0``; ``draft_temperature`` likewise) sets the temperature the drafter samples its guesses
+    at when the target samples, 0 for its argmax (``HyFlashProposer``). ``paced:SPEC`` (e.g.
     ``paced:ngram+auto``) drafts with SPEC or takes plain steps, whichever measures faster (``PacedProposer``)."""
     if spec.startswith("paced:"):
         inner = spec[len("paced:"):]
         if inner in ("", "none"):
             raise HyflashError("paced: needs a drafter after it, e.g. paced:ngram+auto")
-        return PacedProposer(load_proposer(inner, target, block_size, seed, confidence, tree, weights))
+        return PacedProposer(load_proposer(inner, target, block_size, seed, confidence, tree, weights,
+                                           draft_temperature))
     spec, spec_weights = split_weights(spec)
     weights = spec_weights or weights or DEFAULT_WEIGHTS
     spec, spec_confidence, spec_tree = split_spec(spec)
     confidence = confidence if spec_confidence is None else spec_confidence
     tree = tree if spec_tree is None else spec_tree
+    spec, spec_draft_t = split_draft_temperature(spec)
+    draft_temperature = draft_temperature if spec_draft_t is None else spec_draft_t
+    if spec_draft_t is not None and spec in ("none", "ngram", "random"):
+        raise HyflashError(f"~{spec_draft_t:g} sets a trained drafter's draft temperature; {spec} has none")
     if spec.startswith("ngram+"):
         inner = spec[len("ngram+"):]
         if inner == "auto" and shipped_drafter_path(target) is None:
             raise HyflashError(f"no drafter shipped for {target.name}: use ngram, or ngram+PATH")
-        drafter = load_proposer(inner, target, block_size, seed, confidence, tree, weights)
+        drafter = load_proposer(inner, target, block_size, seed, confidence, tree, weights, draft_temperature)
         if not isinstance(drafter, HyFlashProposer):
             raise HyflashError(f"ngram+ needs a drafter checkpoint after the +, not {inner!r}")
         return LookupThenDrafter(drafter)
@@ -470,4 +510,4 @@ def load_proposer(spec: str, target, block_size: int | None = None, seed: int | 
         raise HyflashError(f"unknown drafter {spec!r}: not none/ngram/auto and no such checkpoint directory")
     tree = resolve_tree(tree, confidence)
     return HyFlashProposer.from_pretrained(spec, target, seed=seed, confidence=confidence or 0.0, tree=tree,
-                                           weights=weights)
+                                           weights=weights, draft_temperature=draft_temperature)

@@ -93,12 +93,14 @@ def parse_drafters(spec: str) -> dict[str, str]:
 
 def drafter_info(spec: str, target) -> dict:
     from hyflash.drafter.config import DrafterConfig
-    from hyflash.proposers import DEFAULT_WEIGHTS, resolve_tree, shipped_drafter_path, split_spec, split_weights
+    from hyflash.proposers import (DEFAULT_WEIGHTS, resolve_tree, shipped_drafter_path, split_draft_temperature,
+                                   split_spec, split_weights)
 
     if spec.startswith("paced:"):  # the inner drafter's checkpoint, marked as paced against plain steps
         return {**drafter_info(spec[len("paced:"):], target), "spec": spec, "paced": True}
     base, weights = split_weights(spec)  # "auto:bf16": the C++ drafting path on bf16 weights
     base, confidence, tree = split_spec(base)  # "auto@0.1": adaptive block length; "auto#12": a tree of 12
+    base, draft_temperature = split_draft_temperature(base)  # "auto~0": guesses are the drafter's argmax
     path = shipped_drafter_path(target) if base.endswith("auto") else None
     if path is None and base not in ("none", "ngram", "auto", "ngram+auto", "random"):
         path = Path(base.removeprefix("ngram+"))
@@ -111,7 +113,8 @@ def drafter_info(spec: str, target) -> dict:
             "memory_limit": cfg.memory_limit, "slot_attention": cfg.slot_attention, "context_lags": cfg.context_lags,
             "copy_head_rank": cfg.copy_head_rank,
             "draft_vocab_size": cfg.draft_vocab_size, "confidence": confidence or 0.0,
-            "tree": resolve_tree(tree, confidence), "weights": weights or DEFAULT_WEIGHTS}
+            "tree": resolve_tree(tree, confidence), "weights": weights or DEFAULT_WEIGHTS,
+            "draft_temperature": draft_temperature}
 
 
 def build_items(target, suites: list[str], buckets: list[str], limit: int, seed: int = 0) -> list[S.EvalItem]:
