@@ -8,8 +8,9 @@ can, because what makes one prompt easy makes it easy for both.
 Several runs may be given: a drafter evaluated later on the same prompts is then paired with those of an earlier run.
 They must share the target (its fingerprint), the settings that shape an item (suites' prompts, max new tokens, dtype)
 and, on every item two runs share, its prompt length and plain decoding's greedy tokens; a drafter label may appear in
-one run only. ``--drop-differing`` leaves out the items whose plain greedy tokens differ instead (runs on CPUs
-whose matmuls round differently: see reports/README.md) and says how many. Reads ``raw.jsonl`` and ``run.json`` only
+several runs only on different items (one run per bucket, say), never on the same item at the same temperature twice.
+``--drop-differing`` leaves out the items whose plain greedy tokens differ instead (runs on CPUs whose matmuls round
+differently: see reports/README.md) and says how many. Reads ``raw.jsonl`` and ``run.json`` only
 (no model runs); prints each run's own machine, date and commit.
 """
 
@@ -50,7 +51,7 @@ SHARED_SETTINGS = ("target", "target_fingerprint", "max_new_tokens", "seed", "dt
 
 def merge_runs(runs: list[tuple[str, dict, list[dict]]], dropped: set | None = None) -> list[dict]:
     """The rows of several runs (name, run.json, raw.jsonl rows) as one run's, after checking they can be paired: the
-    same target and item-shaping settings, a drafter label in one run only, and on each item two runs share the same
+    same target and item-shaping settings, no (drafter, item, temperature) in two runs, and on each item two runs share the same
     prompt length and (greedy) the same plain-decoding tokens. Raises SystemExit saying what differs; given a set
     ``dropped``, items whose plain tokens differ are left out and added to it instead."""
     first_name, first, _ = runs[0]
@@ -59,14 +60,15 @@ def merge_runs(runs: list[tuple[str, dict, list[dict]]], dropped: set | None = N
             a, b = first["settings"].get(key), meta["settings"].get(key)
             if a != b:
                 raise SystemExit(f"{name} and {first_name} differ in {key} ({b!r} vs {a!r}): not the same items")
-    owner: dict[str, str] = {}
+    owner: dict[tuple, str] = {}  # (drafter, item, temperature) -> run
     seen: dict[str, tuple[str, int, list | None]] = {}  # item -> (run, prompt tokens, plain greedy tokens)
     merged = []
     for name, _, rows in runs:
         for r in rows:
-            if r["drafter"] != "none" and owner.setdefault(r["drafter"], name) != name:
-                raise SystemExit(f"drafter {r['drafter']!r} is in both {owner[r['drafter']]} and {name}: "
-                                 f"label it differently in one of them")
+            key = (r["drafter"], r["item"], r["temperature"])
+            if r["drafter"] != "none" and owner.setdefault(key, name) != name:
+                raise SystemExit(f"drafter {r['drafter']!r} has item {r['item']} at temperature {r['temperature']} "
+                                 f"in both {owner[key]} and {name}: label it differently in one of them")
             plain = r.get("token_ids") if r["drafter"] == "none" and r["temperature"] == 0 else None
             old = seen.get(r["item"])
             if old is None or (old[2] is None and plain is not None):

@@ -55,6 +55,20 @@ python benchmarks/paired_items.py $R/smollm2-dpfp4-noslot-1200-probe $R/smollm2-
 hyflash report $R/smollm2-dpfp4-noslot-1200-t1 --out reports/smollm2-dpfp4-noslot-1200-t1
 python benchmarks/paired_items.py $R/smollm2-dpfp4-noslot-1200-t1 --base dpfp4-noslot-1200 --temperature 1.0 \
     > $R/smollm2-dpfp4-noslot-1200-t1/paired.txt
+P=$R/smollm2-dpfp4-noslot-1200-t1-30
+hyflash report $P-distant $P-distant-cut-a $P-distant-cut-b $P-distant-argmax $P-nearby $P-nearby-argmax \
+    --out reports/smollm2-dpfp4-noslot-1200-t1-30
+python benchmarks/paired_items.py $P-distant $P-distant-cut-a $P-distant-cut-b $P-distant-argmax \
+    --base dpfp4-noslot-1200 --temperature 1.0 > $P-distant/paired.txt
+python benchmarks/paired_items.py $P-distant-argmax --base dpfp4-noslot-1200-argmax --temperature 1.0 \
+    > $P-distant-argmax/paired.txt
+python benchmarks/paired_items.py $P-nearby $P-nearby-argmax --base dpfp4-noslot-1200 --temperature 1.0 \
+    > $P-nearby/paired.txt
+python benchmarks/paired_items.py $P-nearby-argmax --base dpfp4-noslot-1200-argmax --temperature 1.0 \
+    > $P-nearby-argmax/paired.txt
+hyflash report $R/smollm2-mtbench-t1-argmax --out reports/smollm2-mtbench-t1-argmax
+python benchmarks/paired_items.py $R/smollm2-mtbench-t1-argmax --base auto --temperature 1.0 \
+    > $R/smollm2-mtbench-t1-argmax/paired.txt
 python benchmarks/compare_eval_runs.py $R/gemma3-gpu-long $R/gemma3-cpp-attention-ngram \
     > $R/gemma3-cpp-attention-ngram/compare_with_gemma3-gpu-long.txt
 

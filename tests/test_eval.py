@@ -472,7 +472,8 @@ def test_paired_items_differences_are_per_item_and_their_standard_error_is_that_
 def test_paired_items_merges_runs_on_the_same_items_and_refuses_runs_that_differ():
     """paired_items.merge_runs on made-up rows (fake numbers): a drafter evaluated in a later run is paired with an
     earlier run's on the items both hold; runs with another target, another prompt for an item, other plain greedy
-    tokens or the same drafter label twice are refused, saying which."""
+    tokens or the same drafter on the same item twice are refused, saying which; the same drafter on other items of
+    a later run (one run per bucket) joins its earlier rows."""
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -506,8 +507,11 @@ def test_paired_items_merges_runs_on_the_same_items_and_refuses_runs_that_differ
              row("b", "new", 1.3)]
     merged = merge_runs([("early", meta(), early), ("late", meta(), other)], dropped)
     assert dropped == {"b"} and {r["item"] for r in merged} == {"a"}
-    with pytest.raises(SystemExit, match="drafter 'base' is in both early and late"):
+    with pytest.raises(SystemExit, match="drafter 'base' has item a at temperature 0.0 in both early and late"):
         merge_runs([("early", meta(), early), ("late", meta(), [row("a", "base", 1.1)])])
+    more = [row("d", "none", 1.0, token_ids=[5]), row("d", "base", 1.4), row("d", "new", 1.0)]  # another bucket
+    (r,) = paired_rows(merge_runs([("early", meta(), early), ("late", meta(), late), ("more", meta(), more)]), "base")
+    assert (r["items"], r["ahead"], r["behind"]) == (3, 2, 1)
 
 
 def test_a_run_records_the_numeric_settings_of_its_environment(monkeypatch):
