@@ -261,6 +261,39 @@ def test_a_report_over_two_runs_counts_each_prompt_once(tmp_path):
     assert "| 512-1K (n=3) | 1.00 | 1.50 | 1.50 |" in md
 
 
+def test_a_drafter_with_its_own_draft_temperature_is_shown_and_plays_no_role(tmp_path):
+    """FAKE NUMBERS (a fixture): a drafter run with ``~0`` gets a draft-temperature column in the configuration
+    table and is not taken for HyFlash in the paper's comparisons, even listed first; without one, no column."""
+    from hyflash.evaluation.report import _roles
+
+    hy = {"variant": "hyflash", "num_layers": 2, "memory": "mamba2", "memory_limit": None, "slot_attention": True}
+    infos = {"none": {"spec": "none"}, "h-argmax": {**hy, "spec": "h~0", "draft_temperature": 0.0},
+             "h": {**hy, "spec": "h", "draft_temperature": None}}
+    assert _roles(infos) == {"hyflash": "h"}
+    noslot = {"h": {**hy, "slot_attention": False}, "s": {**hy, "variant": "swa", "slot_attention": False},
+              "h-slots": hy, "cut": {**hy, "slot_attention": False, "memory_limit": 256}}
+    assert _roles(noslot) == {"hyflash": "h", "swa": "s", "with slot attention": "h-slots", "memory-limited": "cut"}
+    assert _roles({"h-slots": hy, **noslot})["no slot attention"] == "h"  # the first HyFlash sets it
+    md = {}
+    for name, info in (("with", infos), ("without", {"none": infos["none"], "h": infos["h"]})):
+        run = tmp_path / name
+        run.mkdir()
+        (run / "run.json").write_text(json.dumps({"settings": {"target": "fake"}, "command": "hyflash eval x",
+                                                  "drafter_info": info}))
+        rows = [{"item": f"probe_distant/512-1K/{i}", "suite": "probe_distant", "bucket": "512-1K",
+                 "prompt_tokens": 700, "drafter": d, "temperature": 1.0, "tau": 1.0 if d == "none" else 1.4,
+                 "rounds": 10, "new_tokens": 14, "histogram": {"1": 10}, "decode_s": 1.0, "tokens_per_s": 14.0,
+                 "draft_ms": 1.0, "verify_ms": 9.0, "drafter_state_bytes": 0 if d == "none" else 999,
+                 "target_kv_bytes": 70000} for i in range(2) for d in info]
+        (run / "raw.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        md[name] = build_report([run], tmp_path / f"report-{name}", fake=True).read_text()
+    assert "| slot attention | draft temperature | probe_distant |" in md["with"]
+    assert "| h-argmax | hyflash | 2 | mamba2 | – | yes | 0 (argmax) | 1.40 |" in md["with"]
+    assert "| h | hyflash | 2 | mamba2 | – | yes | as sampled | 1.40 |" in md["with"]
+    assert "Roles: hyflash = `h`." in md["with"]
+    assert "draft temperature" not in md["without"] and "| h | hyflash | 2 | mamba2 | – | yes | 1.40 |" in md["without"]
+
+
 def test_shared_prefill_gives_the_same_generation_and_stays_unchanged(tiny_setup):
     from hyflash.decoding import SamplingConfig, generate, prefill
     from hyflash.proposers import load_proposer

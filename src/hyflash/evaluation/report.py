@@ -175,9 +175,11 @@ def build_report(run_dirs: list, out_dir, fake: bool = False) -> Path:
     described = [d for d in drafters if "variant" in infos.get(d, {})]
     if described:
         suites_all = sorted({k[0] for k in agg})
+        draft_t = any(infos[d].get("draft_temperature") is not None for d in described)  # a column only then
         md += ["## Drafter configurations (ablations, depth): τ pooled over buckets", "",
-               "| drafter | variant | layers | memory | memory limit | slot attention | " + " | ".join(suites_all)
-               + " |", "|---" * (6 + len(suites_all)) + "|"]
+               "| drafter | variant | layers | memory | memory limit | slot attention | "
+               + ("draft temperature | " if draft_t else "") + " | ".join(suites_all)
+               + " |", "|---" * (6 + draft_t + len(suites_all)) + "|"]
         for d in described:
             i = infos[d]
             cells = []
@@ -188,6 +190,7 @@ def build_report(run_dirs: list, out_dir, fake: bool = False) -> Path:
                              if rounds else "–")
             md.append(f"| {d} | {i['variant']} | {i['num_layers']} | {i['memory'] if i['variant'] == 'hyflash' else '–'}"
                       f" | {i['memory_limit'] or '–'} | {'yes' if i['slot_attention'] else 'no'} | "
+                      + (f"{_draft_t(i.get('draft_temperature'))} | " if draft_t else "")
                       + " | ".join(cells) + " |")
         md.append("")
     plots = _plots(agg, drafters, infos, out)
@@ -197,19 +200,33 @@ def build_report(run_dirs: list, out_dir, fake: bool = False) -> Path:
     return path
 
 
+def _draft_t(t: float | None) -> str:
+    """A drafter's draft temperature as the configuration table gives it."""
+    return "as sampled" if t is None else "0 (argmax)" if t == 0 else f"{t:g}"
+
+
 # ------------------------------------------------------------------------------------ the paper's claims
 PROBES = ("probe_nearby", "probe_distant")
 
 
 def _roles(infos: dict) -> dict[str, str]:
-    """Which evaluated drafter plays which part in the paper's comparisons (the first of each kind)."""
+    """Which evaluated drafter plays which part in the paper's comparisons (the first of each kind). A drafter run
+    with a draft temperature of its own (``~T``) plays none: the comparisons are between drafters, each drawing its
+    guesses at the generation's own temperature. Whether the draft slots attend to each other is set by the first
+    HyFlash drafter with its whole memory: when it has no slot attention (a family trained without it), full
+    attention and the sliding window are taken from drafters without it too."""
+    described = {label: i for label, i in infos.items()
+                 if "variant" in i and i.get("draft_temperature") is None}
+    slots = next((i.get("slot_attention", True) for i in described.values()
+                  if i["variant"] == "hyflash" and i.get("memory_limit") is None), True)
     roles = {}
-    for label, i in infos.items():
-        if "variant" not in i:
-            continue
-        plain = i.get("memory_limit") is None and i.get("slot_attention", True)
-        role = (i["variant"] if plain else "memory-limited" if i.get("memory_limit") is not None
-                else "no slot attention")
+    for label, i in described.items():
+        if i.get("memory_limit") is not None:
+            role = "memory-limited"
+        elif i.get("slot_attention", True) == slots:
+            role = i["variant"]
+        else:
+            role = "no slot attention" if slots else "with slot attention"
         roles.setdefault(role, label)
     return roles
 
