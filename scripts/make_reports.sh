@@ -69,6 +69,10 @@ python benchmarks/paired_items.py $P-nearby-argmax --base dpfp4-noslot-1200-argm
 hyflash report $R/smollm2-mtbench-t1-argmax --out reports/smollm2-mtbench-t1-argmax
 python benchmarks/paired_items.py $R/smollm2-mtbench-t1-argmax --base auto --temperature 1.0 \
     > $R/smollm2-mtbench-t1-argmax/paired.txt
+L=$R/smollm2-noslot-1200-long
+hyflash report $L-docs $L-probes --out reports/smollm2-noslot-1200-long
+python benchmarks/paired_items.py $L-docs --base dpfp4-noslot-1200 > $L-docs/paired.txt
+python benchmarks/paired_items.py $L-probes --base dpfp4-noslot-1200 > $L-probes/paired.txt
 python benchmarks/compare_eval_runs.py $R/gemma3-gpu-long $R/gemma3-cpp-attention-ngram \
     > $R/gemma3-cpp-attention-ngram/compare_with_gemma3-gpu-long.txt
 
@@ -122,6 +126,6 @@ hyflash training-report $N/dpfp4-noslot $C/dpfp4-noslot-mem256 $C/swa-noslot --a
     --out reports/smollm2-copymemtok-dpfp4-noslot-controls
 S=$R/smollm2-copymemtok-dpfp4-noslot-stage2
 D=$R/smollm2-copymemtok-dpfp4-stage2
-hyflash training-report $S/dpfp4-noslot-1200 $S/swa-noslot-1200 $D/hyflash-copymemtok-dpfp4 $D/swa-copytok \
-    --at-step 600 --out reports/smollm2-copymemtok-dpfp4-noslot-stage2
+hyflash training-report $S/dpfp4-noslot-1200 $S/full-noslot-1200 $S/swa-noslot-1200 $D/hyflash-copymemtok-dpfp4 \
+    $D/swa-copytok --at-step 600 --out reports/smollm2-copymemtok-dpfp4-noslot-stage2
 echo "make_reports: every report rebuilt from reports/runs/"
