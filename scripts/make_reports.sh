@@ -73,6 +73,9 @@ L=$R/smollm2-noslot-1200-long
 hyflash report $L-docs $L-probes --out reports/smollm2-noslot-1200-long
 python benchmarks/paired_items.py $L-docs --base dpfp4-noslot-1200 > $L-docs/paired.txt
 python benchmarks/paired_items.py $L-probes --base dpfp4-noslot-1200 > $L-probes/paired.txt
+hyflash report $L-docs-t1 $L-probes-t1 --out reports/smollm2-noslot-1200-long-t1
+python benchmarks/paired_items.py $L-docs-t1 --base dpfp4-noslot-1200 --temperature 1.0 > $L-docs-t1/paired.txt
+python benchmarks/paired_items.py $L-probes-t1 --base dpfp4-noslot-1200 --temperature 1.0 > $L-probes-t1/paired.txt
 python benchmarks/compare_eval_runs.py $R/gemma3-gpu-long $R/gemma3-cpp-attention-ngram \
     > $R/gemma3-cpp-attention-ngram/compare_with_gemma3-gpu-long.txt
 
