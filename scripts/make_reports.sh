@@ -52,6 +52,11 @@ python benchmarks/paired_items.py $R/smollm2-dpfp4-noslot-1200-probe --base dpfp
     > $R/smollm2-dpfp4-noslot-1200-probe/paired.txt
 python benchmarks/paired_items.py $R/smollm2-dpfp4-noslot-1200-probe $R/smollm2-dpfp4-noslot-1200-swa-probe \
     --base dpfp4-noslot-1200 > $R/smollm2-dpfp4-noslot-1200-swa-probe/paired.txt
+M=$R/smollm2-dpfp4-noslot-mem256-probe
+hyflash report $R/smollm2-dpfp4-noslot-1200-probe $R/smollm2-dpfp4-noslot-1200-swa-probe $M \
+    --out reports/smollm2-dpfp4-noslot-mem256-probe
+python benchmarks/paired_items.py $R/smollm2-dpfp4-noslot-1200-probe $R/smollm2-dpfp4-noslot-1200-swa-probe $M \
+    --base dpfp4-noslot > $M/paired.txt
 hyflash report $R/smollm2-dpfp4-noslot-1200-t1 --out reports/smollm2-dpfp4-noslot-1200-t1
 python benchmarks/paired_items.py $R/smollm2-dpfp4-noslot-1200-t1 --base dpfp4-noslot-1200 --temperature 1.0 \
     > $R/smollm2-dpfp4-noslot-1200-t1/paired.txt
