@@ -57,6 +57,11 @@ hyflash report $R/smollm2-dpfp4-noslot-1200-probe $R/smollm2-dpfp4-noslot-1200-s
     --out reports/smollm2-dpfp4-noslot-mem256-probe
 python benchmarks/paired_items.py $R/smollm2-dpfp4-noslot-1200-probe $R/smollm2-dpfp4-noslot-1200-swa-probe $M \
     --base dpfp4-noslot > $M/paired.txt
+M=$R/smollm2-dpfp4-noslot-mem256-1200-probe
+hyflash report $R/smollm2-dpfp4-noslot-1200-probe $R/smollm2-dpfp4-noslot-1200-swa-probe $M \
+    --out reports/smollm2-dpfp4-noslot-mem256-1200-probe
+python benchmarks/paired_items.py $R/smollm2-dpfp4-noslot-1200-probe $R/smollm2-dpfp4-noslot-1200-swa-probe $M \
+    --base dpfp4-noslot-1200 > $M/paired.txt
 hyflash report $R/smollm2-dpfp4-noslot-1200-t1 --out reports/smollm2-dpfp4-noslot-1200-t1
 python benchmarks/paired_items.py $R/smollm2-dpfp4-noslot-1200-t1 --base dpfp4-noslot-1200 --temperature 1.0 \
     > $R/smollm2-dpfp4-noslot-1200-t1/paired.txt
@@ -136,4 +141,6 @@ S=$R/smollm2-copymemtok-dpfp4-noslot-stage2
 D=$R/smollm2-copymemtok-dpfp4-stage2
 hyflash training-report $S/dpfp4-noslot-1200 $S/full-noslot-1200 $S/swa-noslot-1200 $D/hyflash-copymemtok-dpfp4 \
     $D/swa-copytok --at-step 600 --out reports/smollm2-copymemtok-dpfp4-noslot-stage2
+hyflash training-report $S/dpfp4-noslot-1200 $S/dpfp4-noslot-mem256-1200 $S/swa-noslot-1200 --at-step 600 \
+    --out reports/smollm2-copymemtok-dpfp4-noslot-mem256-stage2
 echo "make_reports: every report rebuilt from reports/runs/"
