@@ -143,4 +143,14 @@ hyflash training-report $S/dpfp4-noslot-1200 $S/full-noslot-1200 $S/swa-noslot-1
     $D/swa-copytok --at-step 600 --out reports/smollm2-copymemtok-dpfp4-noslot-stage2
 hyflash training-report $S/dpfp4-noslot-1200 $S/dpfp4-noslot-mem256-1200 $S/swa-noslot-1200 --at-step 600 \
     --out reports/smollm2-copymemtok-dpfp4-noslot-mem256-stage2
+T=$R/smollm2-copytok-slot-seeds
+hyflash report $T/probe-nearby-200 $T/probe-distant-200 $T/probe-nearby-400-512-1K $T/probe-nearby-400-1K-2K \
+    --out reports/smollm2-copytok-slot-seeds-probe
+{ python benchmarks/paired_items.py $T/probe-nearby-200 $T/probe-distant-200 --base copytok-s0-200
+  python benchmarks/paired_items.py $T/probe-nearby-200 $T/probe-distant-200 --base copytok-s1-200
+  python benchmarks/paired_items.py $T/probe-nearby-400-512-1K $T/probe-nearby-400-1K-2K --base copytok-s0-400
+  python benchmarks/paired_items.py $T/probe-nearby-400-512-1K $T/probe-nearby-400-1K-2K --base copytok-s1-400
+} > $T/paired.txt
+hyflash training-report $T/copytok-s0-hyflash $T/copytok-s0-noslot $T/copytok-s1-hyflash $T/copytok-s1-noslot \
+    --at-step 400 --out reports/smollm2-copytok-slot-seeds
 echo "make_reports: every report rebuilt from reports/runs/"
