@@ -2,7 +2,10 @@
 # The copy-only SmolLM2 data of recipes/smollm2-copy-*.json, rebuilt from the pinned offline sources:
 #   split -> document sequences (900K tokens) -> two disjoint pools of 1,536+-token sequences (the first 96 skipped,
 #   then 154 near, 163 far) -> recall sequences (near copies only / far copies only) -> target features (96 each).
-# The pools' sha256 are those reports/runs/smollm2-copy/recall_*.meta.json record; the script stops if they differ.
+# Also a store of plain documents (the first 96 long sequences, which the pools skip; every position supervised), for
+# the runs that mix copies with ordinary text (--data .../feat/docs).
+# The pools' sha256 are those reports/runs/smollm2-copy/recall_*.meta.json record (the documents' is recorded here);
+# the script stops if any differs.
 #
 #   bash scripts/make_copy_data.sh DATA_DIR            # everything (features: ~14 min a store on a 2-core EPYC)
 #   bash scripts/make_copy_data.sh DATA_DIR --no-features
@@ -27,7 +30,8 @@ if len(long) != 413:
     sys.exit(f"expected 413 sequences of 1,536+ tokens, got {len(long)}: the split or tokenizer differs")
 expect = {"near_pool": "0b3459c43fe8969058110b90fe4151c5b86d9c2ef22d870433f89700d9ef9121",
           "far_pool": "048a69d8d4f5cf627faca94fcd58d0974a4fb6c476c5907dbf6e85d27dd78051"}
-for name, part in (("near_pool", long[96:250]), ("far_pool", long[250:])):
+expect["docs96"] = "bd6bf6a2878fa6881a4fc86bf45e31275ea48b09d210034a0c8f621cf732ae84"
+for name, part in (("near_pool", long[96:250]), ("far_pool", long[250:]), ("docs96", long[:96])):
     text = "".join(json.dumps(s) + "\n" for s in part)
     (out / f"{name}.jsonl").write_text(text)
     got = hashlib.sha256(text.encode()).hexdigest()
@@ -43,4 +47,5 @@ if [ "$FEATURES" = 1 ]; then
     for x in near far; do
         python -m hyflash.data.features --sequences "$DATA/copy/$x.jsonl" --out "$DATA/copy/feat/$x" --limit 96
     done
+    python -m hyflash.data.features --sequences "$DATA/copy/docs96.jsonl" --out "$DATA/copy/feat/docs" --limit 96
 fi
