@@ -153,4 +153,14 @@ hyflash report $T/probe-nearby-200 $T/probe-distant-200 $T/probe-nearby-400-512-
 } > $T/paired.txt
 hyflash training-report $T/copytok-s0-hyflash $T/copytok-s0-noslot $T/copytok-s1-hyflash $T/copytok-s1-noslot \
     --at-step 400 --out reports/smollm2-copytok-slot-seeds
+T=$R/smollm2-mix-copytok-slot
+hyflash report $T/probe-nearby-200-512-1K $T/probe-nearby-200-1K-2K $T/probe-nearby-400-512-1K $T/probe-nearby-400-1K-2K \
+    --out reports/smollm2-mix-copytok-slot-probe
+{ python benchmarks/paired_items.py $T/probe-nearby-200-512-1K $T/probe-nearby-200-1K-2K --base mix-s0-200
+  python benchmarks/paired_items.py $T/probe-nearby-200-512-1K $T/probe-nearby-200-1K-2K --base mix-s1-200
+  python benchmarks/paired_items.py $T/probe-nearby-400-512-1K $T/probe-nearby-400-1K-2K --base mix-s0-400
+  python benchmarks/paired_items.py $T/probe-nearby-400-512-1K $T/probe-nearby-400-1K-2K --base mix-s1-400
+} > $T/paired.txt
+hyflash training-report $T/mix-s0-hyflash $T/mix-s0-noslot $T/mix-s1-hyflash $T/mix-s1-noslot \
+    --at-step 400 --out reports/smollm2-mix-copytok-slot
 echo "make_reports: every report rebuilt from reports/runs/"
