@@ -29,8 +29,8 @@ long = [s for s in seqs if len(s["ids"]) >= 1536]
 if len(long) != 413:
     sys.exit(f"expected 413 sequences of 1,536+ tokens, got {len(long)}: the split or tokenizer differs")
 expect = {"near_pool": "0b3459c43fe8969058110b90fe4151c5b86d9c2ef22d870433f89700d9ef9121",
-          "far_pool": "048a69d8d4f5cf627faca94fcd58d0974a4fb6c476c5907dbf6e85d27dd78051"}
-expect["docs96"] = "bd6bf6a2878fa6881a4fc86bf45e31275ea48b09d210034a0c8f621cf732ae84"
+          "far_pool": "048a69d8d4f5cf627faca94fcd58d0974a4fb6c476c5907dbf6e85d27dd78051",
+          "docs96": "bd6bf6a2878fa6881a4fc86bf45e31275ea48b09d210034a0c8f621cf732ae84"}
 for name, part in (("near_pool", long[96:250]), ("far_pool", long[250:]), ("docs96", long[:96])):
     text = "".join(json.dumps(s) + "\n" for s in part)
     (out / f"{name}.jsonl").write_text(text)

@@ -146,20 +146,16 @@ hyflash training-report $S/dpfp4-noslot-1200 $S/dpfp4-noslot-mem256-1200 $S/swa-
 T=$R/smollm2-copytok-slot-seeds
 hyflash report $T/probe-nearby-200 $T/probe-distant-200 $T/probe-nearby-400-512-1K $T/probe-nearby-400-1K-2K \
     --out reports/smollm2-copytok-slot-seeds-probe
-{ python benchmarks/paired_items.py $T/probe-nearby-200 $T/probe-distant-200 --base copytok-s0-200
-  python benchmarks/paired_items.py $T/probe-nearby-200 $T/probe-distant-200 --base copytok-s1-200
-  python benchmarks/paired_items.py $T/probe-nearby-400-512-1K $T/probe-nearby-400-1K-2K --base copytok-s0-400
-  python benchmarks/paired_items.py $T/probe-nearby-400-512-1K $T/probe-nearby-400-1K-2K --base copytok-s1-400
+{ for s in 0 1; do python benchmarks/paired_items.py $T/probe-nearby-200 $T/probe-distant-200 --base copytok-s$s-200; done
+  for s in 0 1; do python benchmarks/paired_items.py $T/probe-nearby-400-512-1K $T/probe-nearby-400-1K-2K --base copytok-s$s-400; done
 } > $T/paired.txt
 hyflash training-report $T/copytok-s0-hyflash $T/copytok-s0-noslot $T/copytok-s1-hyflash $T/copytok-s1-noslot \
     --at-step 400 --out reports/smollm2-copytok-slot-seeds
 T=$R/smollm2-mix-copytok-slot
 hyflash report $T/probe-nearby-200-512-1K $T/probe-nearby-200-1K-2K $T/probe-nearby-400-512-1K $T/probe-nearby-400-1K-2K \
     --out reports/smollm2-mix-copytok-slot-probe
-{ python benchmarks/paired_items.py $T/probe-nearby-200-512-1K $T/probe-nearby-200-1K-2K --base mix-s0-200
-  python benchmarks/paired_items.py $T/probe-nearby-200-512-1K $T/probe-nearby-200-1K-2K --base mix-s1-200
-  python benchmarks/paired_items.py $T/probe-nearby-400-512-1K $T/probe-nearby-400-1K-2K --base mix-s0-400
-  python benchmarks/paired_items.py $T/probe-nearby-400-512-1K $T/probe-nearby-400-1K-2K --base mix-s1-400
+{ for s in 0 1; do python benchmarks/paired_items.py $T/probe-nearby-200-512-1K $T/probe-nearby-200-1K-2K --base mix-s$s-200; done
+  for s in 0 1; do python benchmarks/paired_items.py $T/probe-nearby-400-512-1K $T/probe-nearby-400-1K-2K --base mix-s$s-400; done
 } > $T/paired.txt
 hyflash training-report $T/mix-s0-hyflash $T/mix-s0-noslot $T/mix-s1-hyflash $T/mix-s1-noslot \
     --at-step 400 --out reports/smollm2-mix-copytok-slot
