@@ -152,11 +152,11 @@ hyflash report $T/probe-nearby-200 $T/probe-distant-200 $T/probe-nearby-400-512-
 hyflash training-report $T/copytok-s0-hyflash $T/copytok-s0-noslot $T/copytok-s1-hyflash $T/copytok-s1-noslot \
     --at-step 400 --out reports/smollm2-copytok-slot-seeds
 T=$R/smollm2-mix-copytok-slot
-hyflash report $T/probe-nearby-200-512-1K $T/probe-nearby-200-1K-2K $T/probe-nearby-400-512-1K $T/probe-nearby-400-1K-2K \
+hyflash report $T/probe-nearby-{200,400,600}-512-1K $T/probe-nearby-{200,400,600}-1K-2K \
     --out reports/smollm2-mix-copytok-slot-probe
-{ for s in 0 1; do python benchmarks/paired_items.py $T/probe-nearby-200-512-1K $T/probe-nearby-200-1K-2K --base mix-s$s-200; done
-  for s in 0 1; do python benchmarks/paired_items.py $T/probe-nearby-400-512-1K $T/probe-nearby-400-1K-2K --base mix-s$s-400; done
-} > $T/paired.txt
+for k in 200 400 600; do
+  for s in 0 1; do python benchmarks/paired_items.py $T/probe-nearby-$k-512-1K $T/probe-nearby-$k-1K-2K --base mix-s$s-$k; done
+done > $T/paired.txt
 hyflash training-report $T/mix-s0-hyflash $T/mix-s0-noslot $T/mix-s1-hyflash $T/mix-s1-noslot \
-    --at-step 400 --out reports/smollm2-mix-copytok-slot
+    --at-step 600 --out reports/smollm2-mix-copytok-slot
 echo "make_reports: every report rebuilt from reports/runs/"
