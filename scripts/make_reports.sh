@@ -160,7 +160,11 @@ done > $T/paired.txt
 hyflash training-report $T/mix-s0-hyflash $T/mix-s0-noslot $T/mix-s1-hyflash $T/mix-s1-noslot \
     --at-step 600 --out reports/smollm2-mix-copytok-slot
 T=$R/smollm2-mix-copytok-slot-stage2
-hyflash report $T/probe-nearby-1200-512-1K $T/probe-nearby-1200-1K-2K --out reports/smollm2-mix-copytok-slot-stage2-probe
-python benchmarks/paired_items.py $T/probe-nearby-1200-512-1K $T/probe-nearby-1200-1K-2K --base mix-s0-1200 > $T/paired.txt
-hyflash training-report $T/mix2-s0-hyflash $T/mix2-s0-noslot --at-step 600 --out reports/smollm2-mix-copytok-slot-stage2
+hyflash report $T/probe-nearby-1200-s{0,1}-512-1K $T/probe-nearby-1200-s{0,1}-1K-2K \
+    --out reports/smollm2-mix-copytok-slot-stage2-probe
+for s in 0 1; do
+  python benchmarks/paired_items.py $T/probe-nearby-1200-s$s-512-1K $T/probe-nearby-1200-s$s-1K-2K --base mix-s$s-1200
+done > $T/paired.txt
+hyflash training-report $T/mix2-s0-hyflash $T/mix2-s0-noslot $T/mix2-s1-hyflash $T/mix2-s1-noslot --at-step 600 \
+    --out reports/smollm2-mix-copytok-slot-stage2
 echo "make_reports: every report rebuilt from reports/runs/"
