@@ -168,9 +168,11 @@ done > $T/paired.txt
 hyflash training-report $T/mix2-s0-hyflash $T/mix2-s0-noslot $T/mix2-s1-hyflash $T/mix2-s1-noslot --at-step 600 \
     --out reports/smollm2-mix-copytok-slot-stage2
 T=$R/smollm2-mix-copytok-slot-stage3
-hyflash report $T/probe-nearby-1800-s0-512-1K $T/probe-nearby-1800-s0-1K-2K \
+hyflash report $T/probe-nearby-1800-s{0,1}-512-1K $T/probe-nearby-1800-s{0,1}-1K-2K \
     --out reports/smollm2-mix-copytok-slot-stage3-probe
-python benchmarks/paired_items.py $T/probe-nearby-1800-s0-512-1K $T/probe-nearby-1800-s0-1K-2K --base mix-s0-1800 \
-    > $T/paired.txt
-hyflash training-report $T/mix3-s0-hyflash $T/mix3-s0-noslot --at-step 600 --out reports/smollm2-mix-copytok-slot-stage3
+for s in 0 1; do
+  python benchmarks/paired_items.py $T/probe-nearby-1800-s$s-512-1K $T/probe-nearby-1800-s$s-1K-2K --base mix-s$s-1800
+done > $T/paired.txt
+hyflash training-report $T/mix3-s0-hyflash $T/mix3-s0-noslot $T/mix3-s1-hyflash $T/mix3-s1-noslot --at-step 600 \
+    --out reports/smollm2-mix-copytok-slot-stage3
 echo "make_reports: every report rebuilt from reports/runs/"
