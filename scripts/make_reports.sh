@@ -159,20 +159,14 @@ for k in 200 400 600; do
 done > $T/paired.txt
 hyflash training-report $T/mix-s0-hyflash $T/mix-s0-noslot $T/mix-s1-hyflash $T/mix-s1-noslot \
     --at-step 600 --out reports/smollm2-mix-copytok-slot
-T=$R/smollm2-mix-copytok-slot-stage2
-hyflash report $T/probe-nearby-1200-s{0,1}-512-1K $T/probe-nearby-1200-s{0,1}-1K-2K \
-    --out reports/smollm2-mix-copytok-slot-stage2-probe
-for s in 0 1; do
-  python benchmarks/paired_items.py $T/probe-nearby-1200-s$s-512-1K $T/probe-nearby-1200-s$s-1K-2K --base mix-s$s-1200
-done > $T/paired.txt
-hyflash training-report $T/mix2-s0-hyflash $T/mix2-s0-noslot $T/mix2-s1-hyflash $T/mix2-s1-noslot --at-step 600 \
-    --out reports/smollm2-mix-copytok-slot-stage2
-T=$R/smollm2-mix-copytok-slot-stage3
-hyflash report $T/probe-nearby-1800-s{0,1}-512-1K $T/probe-nearby-1800-s{0,1}-1K-2K \
-    --out reports/smollm2-mix-copytok-slot-stage3-probe
-for s in 0 1; do
-  python benchmarks/paired_items.py $T/probe-nearby-1800-s$s-512-1K $T/probe-nearby-1800-s$s-1K-2K --base mix-s$s-1800
-done > $T/paired.txt
-hyflash training-report $T/mix3-s0-hyflash $T/mix3-s0-noslot $T/mix3-s1-hyflash $T/mix3-s1-noslot --at-step 600 \
-    --out reports/smollm2-mix-copytok-slot-stage3
+for st in 2 3; do  # the later stages of the mixed copy-token pair: stage st ends at step 600 × st
+  n=$((600 * st)); T=$R/smollm2-mix-copytok-slot-stage$st
+  hyflash report $T/probe-nearby-$n-s{0,1}-512-1K $T/probe-nearby-$n-s{0,1}-1K-2K \
+      --out reports/smollm2-mix-copytok-slot-stage$st-probe
+  for s in 0 1; do
+    python benchmarks/paired_items.py $T/probe-nearby-$n-s$s-512-1K $T/probe-nearby-$n-s$s-1K-2K --base mix-s$s-$n
+  done > $T/paired.txt
+  hyflash training-report $T/mix$st-s0-hyflash $T/mix$st-s0-noslot $T/mix$st-s1-hyflash $T/mix$st-s1-noslot \
+      --at-step 600 --out reports/smollm2-mix-copytok-slot-stage$st
+done
 echo "make_reports: every report rebuilt from reports/runs/"
