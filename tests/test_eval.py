@@ -259,6 +259,8 @@ def test_a_report_over_two_runs_counts_each_prompt_once(tmp_path):
     md = build_report(runs, tmp_path / "report", fake=True).read_text()
     assert "| none | a | b |" in md
     assert "| 512-1K (n=3) | 1.00 | 1.50 | 1.50 |" in md
+    md = build_report(runs, tmp_path / "report-512", fake=True, training_length=512).read_text()
+    assert f"--training-length 512 --out {tmp_path / 'report-512'}`" in md  # the command that rebuilds it
 
 
 def test_a_drafter_with_its_own_draft_temperature_is_shown_and_plays_no_role(tmp_path):
@@ -342,6 +344,12 @@ def test_paper_claims_check_the_bars_on_hand_made_numbers():
     assert rows["4K-8K"].endswith("**met** |") and "| 10.00 | 1.25 |" in rows["4K-8K"]
     assert "| probe_distant | 4K-8K | 0.80 | memory-limited: 0.20 | swa: 0.30 | full: – | 4.00 / 2.67 |" in md
     assert "1,000 B in every bucket" in md and "identical across buckets: **met**" in md
+    # drafters trained at 1,024 tokens: 1K-2K is beyond their length too (1.0 / 1.1 < 1.5), 512-1K stays within
+    md1k = "\n".join(paper_claims(agg, infos, training_length=1024))
+    rows1k = {line.split("|")[2].strip(): line for line in md1k.splitlines() if line.startswith("| hotpotqa")}
+    assert "within: τ ≥ full | **met** |" in rows1k["512-1K"]
+    assert "beyond: ≥1.5× full, ≥1.1× swa | **not met** |" in rows1k["1K-2K"]
+    assert rows1k["4K-8K"] == rows["4K-8K"] and rows1k["2K-4K"] == rows["2K-4K"]
     # short suites only (no bucket): no claims section, not an empty header
     short = {("mtbench", None, d, 0.0): {"tau": 1.5, "n": 2, "drafter_bytes": (1000, 1000)} for d in ("h", "f", "s")}
     assert paper_claims(short, infos) == []

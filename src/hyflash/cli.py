@@ -181,11 +181,14 @@ def eval_command(target, drafters, suites, buckets, limit, max_new_tokens, tempe
 @cli.command("report")
 @click.argument("runs", nargs=-1, required=True)
 @click.option("--out", required=True, help="Report folder (REPORT.md and plots).")
-def report_command(runs, out):
+@click.option("--training-length", type=click.IntRange(min=1), default=None,
+              help="The drafters' training length in tokens: buckets whose shortest prompt reaches it are checked "
+                   "against the beyond-the-training-length bars (default: the two longest buckets).")
+def report_command(runs, out, training_length):
     """Tables and plots from one or more `hyflash eval` run folders."""
     from hyflash.evaluation.report import build_report
 
-    click.echo(str(build_report(list(runs), out)))
+    click.echo(str(build_report(list(runs), out, training_length=training_length)))
 
 
 @cli.command("training-report")
