@@ -10,7 +10,8 @@ They must share the target (its fingerprint), the settings that shape an item (s
 and, on every item two runs share, its prompt length and plain decoding's greedy tokens; a drafter label may appear in
 several runs only on different items (one run per bucket, say), never on the same item at the same temperature twice.
 ``--drop-differing`` leaves out the items whose plain greedy tokens differ instead (runs on CPUs whose matmuls round
-differently: see reports/README.md) and says how many. Reads ``raw.jsonl`` and ``run.json`` only
+differently: see reports/README.md) and says how many. ``--by-bucket`` pairs within each (suite, prompt-length bucket)
+instead of over a suite's buckets, to see how a gap moves with the prompt's length. Reads ``raw.jsonl`` and ``run.json`` only
 (no model runs); prints each run's own machine, date and commit.
 """
 
@@ -20,19 +21,19 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
-from hyflash.evaluation.report import cpu_name
+from hyflash.evaluation.report import _bucket_key, cpu_name
 
 
-def paired_rows(rows: list[dict], base: str, temperature: float = 0.0) -> list[dict]:
-    """Per suite and drafter (other than ``base`` and plain decoding): items shared with ``base``, both means, the
-    mean difference base − drafter, its standard error (0 for a single item) and the items where base is ahead or
-    behind."""
-    tau = defaultdict(dict)  # suite -> {(item, drafter): τ}
+def paired_rows(rows: list[dict], base: str, temperature: float = 0.0, by_bucket: bool = False) -> list[dict]:
+    """Per suite (with ``by_bucket``: per suite and bucket) and drafter (other than ``base`` and plain decoding):
+    items shared with ``base``, both means, the mean difference base − drafter, its standard error (0 for a single
+    item) and the items where base is ahead or behind."""
+    tau = defaultdict(dict)  # (suite, bucket or "") -> {(item, drafter): τ}
     for r in rows:
         if r["temperature"] == temperature:
-            tau[r["suite"]][r["item"], r["drafter"]] = r["tau"]
+            tau[r["suite"], r.get("bucket", "") if by_bucket else ""][r["item"], r["drafter"]] = r["tau"]
     out = []
-    for suite, t in sorted(tau.items()):
+    for (suite, bucket), t in sorted(tau.items(), key=lambda kv: (kv[0][0], _bucket_key(kv[0][1]))):
         for d in sorted({d for _, d in t} - {base, "none"}):
             items = sorted(i for i, dd in t if dd == d and (i, base) in t)
             if not items:
@@ -40,7 +41,7 @@ def paired_rows(rows: list[dict], base: str, temperature: float = 0.0) -> list[d
             diffs = [t[i, base] - t[i, d] for i in items]
             n, mean = len(diffs), sum(diffs) / len(diffs)
             se = math.sqrt(sum((x - mean) ** 2 for x in diffs) / (n - 1) / n) if n > 1 else 0.0
-            out.append({"suite": suite, "drafter": d, "items": n, "base_tau": sum(t[i, base] for i in items) / n,
+            out.append({"suite": suite, "bucket": bucket, "drafter": d, "items": n, "base_tau": sum(t[i, base] for i in items) / n,
                         "tau": sum(t[i, d] for i in items) / n, "diff": mean, "se": se,
                         "ahead": sum(x > 0 for x in diffs), "behind": sum(x < 0 for x in diffs)})
     return out
@@ -93,6 +94,7 @@ def main():
     ap.add_argument("runs", nargs="+", metavar="run", help="hyflash eval output folders (raw.jsonl, run.json)")
     ap.add_argument("--base", required=True, help="the drafter every other is compared with (its label)")
     ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--by-bucket", action="store_true", help="pair within each prompt-length bucket of a suite")
     ap.add_argument("--drop-differing", action="store_true",
                     help="leave out items whose plain greedy tokens differ between runs (else: refuse)")
     args = ap.parse_args()
@@ -114,10 +116,10 @@ def main():
     if dropped:
         items = {r["item"] for _, _, rs in runs for r in rs}
         print(f"# left out: {len(dropped)} of {len(items)} items, where plain greedy decoding differs between runs")
-    print(f"suite  drafter  items  tau_{args.base}  tau  {args.base}_minus_drafter  paired_standard_error  "
+    print(f"suite  {'bucket  ' if args.by_bucket else ''}drafter  items  tau_{args.base}  tau  {args.base}_minus_drafter  paired_standard_error  "
           f"{args.base}_ahead  {args.base}_behind")
-    for r in paired_rows(rows, args.base, args.temperature):
-        print(f"{r['suite']}  {r['drafter']}  {r['items']}  {r['base_tau']:.3f}  {r['tau']:.3f}  {r['diff']:+.3f}  "
+    for r in paired_rows(rows, args.base, args.temperature, args.by_bucket):
+        print(f"{r['suite']}  {r['bucket'] + '  ' if args.by_bucket else ''}{r['drafter']}  {r['items']}  {r['base_tau']:.3f}  {r['tau']:.3f}  {r['diff']:+.3f}  "
               f"{r['se']:.3f}  {r['ahead']}  {r['behind']}")
 
 

@@ -508,6 +508,12 @@ def test_paired_items_differences_are_per_item_and_their_standard_error_is_that_
     mean = sum(diffs) / 3
     assert r["se"] == pytest.approx((sum((x - mean) ** 2 for x in diffs) / 2 / 3) ** 0.5)
     assert paired_rows([row("a", "base", 1.5), row("a", "other", 1.0)], "base")[0]["se"] == 0.0
+    # by bucket: the same items split by their bucket, each bucket's own mean, buckets in length order
+    for r, b in zip(rows, ["1K-2K", "512-1K", "1K-2K", "1K-2K", "512-1K", "1K-2K", "1K-2K", "1K-2K", "1K-2K"]):
+        r["bucket"] = b
+    lo, hi = paired_rows(rows, "base", by_bucket=True)
+    assert (lo["bucket"], lo["items"], lo["diff"]) == ("512-1K", 1, pytest.approx(0.0))
+    assert (hi["bucket"], hi["items"], hi["diff"]) == ("1K-2K", 2, pytest.approx(0.1))
 
 
 def test_paired_items_merges_runs_on_the_same_items_and_refuses_runs_that_differ():
