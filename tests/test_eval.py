@@ -70,6 +70,16 @@ def synthetic_hotpot(n=30, seed=0):
     return recs
 
 
+def test_skip_gives_the_items_after_an_earlier_runs_without_repeating_them(smollm2_fp32):
+    """--skip N: the items a run with --limit N + M has after its first N of each bucket, the same prompts."""
+    t, recs = smollm2_fp32, synthetic_hotpot()
+    both = S.long_items("hotpotqa", t, {"hotpotqa": recs}, ["256-512", "512-1K"], limit=3)
+    first = S.long_items("hotpotqa", t, {"hotpotqa": recs}, ["256-512", "512-1K"], limit=1)
+    rest = S.long_items("hotpotqa", t, {"hotpotqa": recs}, ["256-512", "512-1K"], limit=2, skip=1)
+    assert [i.id for i in first] == [both[0].id, both[3].id]
+    assert [(i.id, i.prompt_ids) for i in rest] == [(i.id, i.prompt_ids) for i in both[1:3] + both[4:]]
+
+
 @pytest.mark.parametrize("bucket", ["256-512", "512-1K", "1K-2K"])
 def test_padded_hotpotqa_prompts_fall_inside_their_bucket(smollm2_fp32, bucket):
     t, recs = smollm2_fp32, synthetic_hotpot()

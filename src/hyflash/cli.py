@@ -150,6 +150,9 @@ def budget(target, drafter, context, weight_bits, embed_bits, kv_bits, drafter_b
                    "reports, longcode, probe_nearby, probe_distant.")
 @click.option("--buckets", default="", help="Prompt-length buckets for long suites, e.g. 512-1K,1K-2K,2K-4K,4K-8K.")
 @click.option("--limit", default=10, show_default=True, type=int, help="Items per suite (per bucket for long ones).")
+@click.option("--skip", default=0, show_default=True, type=click.IntRange(min=0),
+              help="Leave out the first N items per suite (per bucket for long ones): the next --limit items after an "
+                   "earlier run's, into another --out, to add items without repeating them.")
 @click.option("--max-new-tokens", default=128, show_default=True, type=int)
 @click.option("--temperatures", default="0", show_default=True, help="Comma-separated, e.g. 0,1.")
 @click.option("--seed", default=0, show_default=True, type=int)
@@ -158,8 +161,8 @@ def budget(target, drafter, context, weight_bits, embed_bits, kv_bits, drafter_b
 @click.option("--fast/--no-fast", default=None,
               help="Our lean target forward with a static KV cache (default: where it covers the architecture).")
 @click.option("--out", required=True, help="Run folder (a rerun with the same settings continues it).")
-def eval_command(target, drafters, suites, buckets, limit, max_new_tokens, temperatures, seed, dtype, threads, fast,
-                 out):
+def eval_command(target, drafters, suites, buckets, limit, skip, max_new_tokens, temperatures, seed, dtype, threads,
+                 fast, out):
     """Evaluate drafters side by side against plain decoding; raw JSON + summary.md in --out."""
     import torch
 
@@ -174,7 +177,7 @@ def eval_command(target, drafters, suites, buckets, limit, max_new_tokens, tempe
     except ValueError:
         raise HyflashError(f"bad --temperatures {temperatures!r}") from None
     path = run_eval(target, drafters, split, bks, out, limit, max_new_tokens, temps, seed, dtype,
-                    command="hyflash eval " + " ".join(sys.argv[2:]), fast=fast)
+                    command="hyflash eval " + " ".join(sys.argv[2:]), fast=fast, skip=skip)
     click.echo(path.read_text())
 
 

@@ -117,7 +117,8 @@ def drafter_info(spec: str, target) -> dict:
             "draft_temperature": draft_temperature}
 
 
-def build_items(target, suites: list[str], buckets: list[str], limit: int, seed: int = 0) -> list[S.EvalItem]:
+def build_items(target, suites: list[str], buckets: list[str], limit: int, seed: int = 0,
+                skip: int = 0) -> list[S.EvalItem]:
     items = []
     for suite in suites:
         sources = S.SUITE_SOURCES.get(suite)
@@ -125,11 +126,11 @@ def build_items(target, suites: list[str], buckets: list[str], limit: int, seed:
             raise HyflashError(f"unknown suite {suite!r} (known: {', '.join(S.SHORT_SUITES + S.LONG_SUITES)})")
         records = {src: S.load_records(src) for src in sources}
         if suite in S.SHORT_SUITES:
-            items += S.short_items(suite, target, records, limit)
+            items += S.short_items(suite, target, records, limit + skip)[skip:]
         else:
             if not buckets:
                 raise HyflashError(f"suite {suite} needs --buckets (e.g. 1K-2K,2K-4K)")
-            items += S.long_items(suite, target, records, buckets, limit, seed)
+            items += S.long_items(suite, target, records, buckets, limit, seed, skip=skip)
     return items
 
 
@@ -155,7 +156,8 @@ def _append(path: Path, rec: dict) -> None:
 
 def run_eval(target_spec: str, drafters: str, suites: list[str], buckets: list[str], out_dir, limit: int = 10,
              max_new_tokens: int = 128, temperatures=(0.0,), seed: int = 0, dtype: str = "bf16",
-             items: list[S.EvalItem] | None = None, target=None, command: str = "", fast: bool | None = None) -> Path:
+             items: list[S.EvalItem] | None = None, target=None, command: str = "", fast: bool | None = None,
+             skip: int = 0) -> Path:
     """Run (or continue) an evaluation into ``out_dir``; returns the summary path. ``items``/``target``: given
     directly by tests (tiny fixtures) instead of being built from the pinned sources."""
     from tqdm import tqdm
@@ -174,6 +176,8 @@ def run_eval(target_spec: str, drafters: str, suites: list[str], buckets: list[s
                 "suites": list(suites), "buckets": list(buckets), "limit": limit, "max_new_tokens": max_new_tokens,
                 "temperatures": [float(t) for t in temperatures], "seed": seed, "dtype": dtype,
                 "fast_path": bool(getattr(target, "fast", False))}
+    if skip:  # only when used, so that runs from before the option resume
+        settings["skip"] = skip
     header_path = out / "run.json"
     if header_path.exists():
         old = json.loads(header_path.read_text())
@@ -194,7 +198,7 @@ def run_eval(target_spec: str, drafters: str, suites: list[str], buckets: list[s
         header_path.write_text(json.dumps(header, indent=1) + "\n")
 
     if items is None:
-        items = build_items(target, suites, buckets, limit, seed)
+        items = build_items(target, suites, buckets, limit, seed, skip)
     (out / "items.jsonl").write_text("".join(json.dumps({"id": it.id, "suite": it.suite, "bucket": it.bucket,
                                                          "prompt_tokens": len(it.prompt_ids), "meta": it.meta})
                                              + "\n" for it in items))

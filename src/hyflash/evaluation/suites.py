@@ -269,9 +269,12 @@ def _filler_for(recs: list[dict], i: int, passage: str) -> str | None:
 
 
 def long_items(suite: str, target, records: dict[str, list[dict]], buckets: list[str], limit: int,
-               seed: int = 0, code_files: list[tuple[str, str]] | None = None) -> list[EvalItem]:
-    """Up to ``limit`` items per bucket; sources too short for a bucket are skipped."""
+               seed: int = 0, code_files: list[tuple[str, str]] | None = None, skip: int = 0) -> list[EvalItem]:
+    """Up to ``limit`` items per bucket, after the first ``skip`` of that bucket (the items a run with ``--limit
+    skip`` had: each item is built from its own source, whatever the limit); sources too short for a bucket are
+    skipped."""
     out = []
+    limit += skip
     for bucket in buckets:
         got = []
         if suite == "hotpotqa":
@@ -304,5 +307,5 @@ def long_items(suite: str, target, records: dict[str, list[dict]], buckets: list
                     got.append(item)
         else:
             raise HyflashError(f"unknown long suite {suite!r} (known: {', '.join(LONG_SUITES)})")
-        out += got
+        out += got[skip:]
     return out
