@@ -88,6 +88,11 @@ python benchmarks/paired_items.py $L-docs-t1 --base dpfp4-noslot-1200 --temperat
 python benchmarks/paired_items.py $L-probes-t1 --base dpfp4-noslot-1200 --temperature 1.0 > $L-probes-t1/paired.txt
 python benchmarks/compare_eval_runs.py $R/gemma3-gpu-long $R/gemma3-cpp-attention-ngram \
     > $R/gemma3-cpp-attention-ngram/compare_with_gemma3-gpu-long.txt
+SH=$R/smollm2-short512
+E="$SH-hotpotqa $SH-hotpotqa-more $SH-reports $SH-reports-more $SH-probe_distant $SH-probe_nearby"
+hyflash report $E --training-length 512 --out reports/smollm2-short512-long
+python benchmarks/paired_items.py $E --base hyflash-512 > $SH/paired.txt
+python benchmarks/paired_items.py $E --base hyflash-512 --by-bucket > $SH/paired_by_bucket.txt
 
 # training logs -> held-out τ̂ at equal steps (the ablation and depth tables)
 A=$R/smollm2-ablations
@@ -106,6 +111,7 @@ hyflash training-report $G/stage2/hyflash $G/stage2/full $G/stage2/swa $G/stage2
     --out reports/gemma3-gpu-training-stage2
 G=$R/gemma3-floor-cpu
 hyflash training-report $G/hyflash $G/floor --at-step 400 --out reports/gemma3-floor-cpu
+hyflash training-report $SH/hyflash $SH/full $SH/swa --at-step 600 --out reports/smollm2-short512-training
 G=$R/smollm2-copy
 hyflash training-report $G/hyflash $G/noslot $G/swa $G/gdn --at-step 400 --out reports/smollm2-copy
 L=$R/smollm2-copy-lags
