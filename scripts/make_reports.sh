@@ -93,6 +93,11 @@ E="$SH-hotpotqa $SH-hotpotqa-more $SH-reports $SH-reports-more $SH-probe_distant
 hyflash report $E --training-length 512 --out reports/smollm2-short512-long
 python benchmarks/paired_items.py $E --base hyflash-512 > $SH/paired.txt
 python benchmarks/paired_items.py $E --base hyflash-512 --by-bucket > $SH/paired_by_bucket.txt
+hyflash report $SH-reports-t1 $SH-reports-t1-more --training-length 512 --out reports/smollm2-short512-long-t1
+python benchmarks/paired_items.py $SH-reports-t1 $SH-reports-t1-more --base hyflash-512 --temperature 1.0 \
+    > $SH/paired_t1.txt
+python benchmarks/paired_items.py $SH-reports-t1 $SH-reports-t1-more --base hyflash-512 --temperature 1.0 --by-bucket \
+    > $SH/paired_by_bucket_t1.txt
 
 # training logs -> held-out τ̂ at equal steps (the ablation and depth tables)
 A=$R/smollm2-ablations
