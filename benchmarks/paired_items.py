@@ -10,9 +10,9 @@ They must share the target (its fingerprint), the settings that shape an item (s
 and, on every item two runs share, its prompt length and plain decoding's greedy tokens; a drafter label may appear in
 several runs only on different items (one run per bucket, say), never on the same item at the same temperature twice.
 ``--drop-differing`` leaves out the items whose plain greedy tokens differ instead (runs on CPUs whose matmuls round
-differently: see reports/README.md) and says how many. ``--by-bucket`` pairs within each (suite, prompt-length bucket)
-instead of over a suite's buckets, to see how a gap moves with the prompt's length. Reads ``raw.jsonl`` and ``run.json`` only
-(no model runs); prints each run's own machine, date and commit.
+differently: see reports/README.md) and says how many. ``--by-bucket`` pairs within each (suite, prompt-length
+bucket) instead of over a suite's buckets, to see how a gap moves with the prompt's length. Reads ``raw.jsonl`` and
+``run.json`` only (no model runs); prints each run's own machine, date and commit.
 """
 
 import argparse
@@ -41,7 +41,8 @@ def paired_rows(rows: list[dict], base: str, temperature: float = 0.0, by_bucket
             diffs = [t[i, base] - t[i, d] for i in items]
             n, mean = len(diffs), sum(diffs) / len(diffs)
             se = math.sqrt(sum((x - mean) ** 2 for x in diffs) / (n - 1) / n) if n > 1 else 0.0
-            out.append({"suite": suite, "bucket": bucket, "drafter": d, "items": n, "base_tau": sum(t[i, base] for i in items) / n,
+            out.append({"suite": suite, "bucket": bucket, "drafter": d, "items": n,
+                        "base_tau": sum(t[i, base] for i in items) / n,
                         "tau": sum(t[i, d] for i in items) / n, "diff": mean, "se": se,
                         "ahead": sum(x > 0 for x in diffs), "behind": sum(x < 0 for x in diffs)})
     return out
@@ -52,9 +53,9 @@ SHARED_SETTINGS = ("target", "target_fingerprint", "max_new_tokens", "seed", "dt
 
 def merge_runs(runs: list[tuple[str, dict, list[dict]]], dropped: set | None = None) -> list[dict]:
     """The rows of several runs (name, run.json, raw.jsonl rows) as one run's, after checking they can be paired: the
-    same target and item-shaping settings, no (drafter, item, temperature) in two runs, and on each item two runs share the same
-    prompt length and (greedy) the same plain-decoding tokens. Raises SystemExit saying what differs; given a set
-    ``dropped``, items whose plain tokens differ are left out and added to it instead."""
+    same target and item-shaping settings, no (drafter, item, temperature) in two runs, and on each item two runs share
+    the same prompt length and (greedy) the same plain-decoding tokens. Raises SystemExit saying what differs; given a
+    set ``dropped``, items whose plain tokens differ are left out and added to it instead."""
     first_name, first, _ = runs[0]
     for name, meta, _ in runs[1:]:
         for key in SHARED_SETTINGS:
@@ -116,11 +117,12 @@ def main():
     if dropped:
         items = {r["item"] for _, _, rs in runs for r in rs}
         print(f"# left out: {len(dropped)} of {len(items)} items, where plain greedy decoding differs between runs")
-    print(f"suite  {'bucket  ' if args.by_bucket else ''}drafter  items  tau_{args.base}  tau  {args.base}_minus_drafter  paired_standard_error  "
-          f"{args.base}_ahead  {args.base}_behind")
+    print(f"suite  {'bucket  ' if args.by_bucket else ''}drafter  items  tau_{args.base}  tau  "
+          f"{args.base}_minus_drafter  paired_standard_error  {args.base}_ahead  {args.base}_behind")
     for r in paired_rows(rows, args.base, args.temperature, args.by_bucket):
-        print(f"{r['suite']}  {r['bucket'] + '  ' if args.by_bucket else ''}{r['drafter']}  {r['items']}  {r['base_tau']:.3f}  {r['tau']:.3f}  {r['diff']:+.3f}  "
-              f"{r['se']:.3f}  {r['ahead']}  {r['behind']}")
+        bucket = r["bucket"] + "  " if args.by_bucket else ""
+        print(f"{r['suite']}  {bucket}{r['drafter']}  {r['items']}  {r['base_tau']:.3f}  {r['tau']:.3f}  "
+              f"{r['diff']:+.3f}  {r['se']:.3f}  {r['ahead']}  {r['behind']}")
 
 
 if __name__ == "__main__":
