@@ -1,17 +1,22 @@
 #!/bin/bash
-# usage: [SKIP=n] [T=temperature] eval.sh SUITE... — train.sh's three drafters on each suite (buckets 0.5–1K to 4–8K, 5 items a
-# bucket, greedy, 64 new tokens), one eval process per suite side by side (one thread each), in the AVX2 environment
-# of the other SmolLM2 long-context reports. SKIP=5: the next five items of each bucket (--skip), none repeated;
-# T=1: at temperature 1.0 instead of greedy.
+# usage: [FAMILY=copy] [SKIP=n] [T=temperature] eval.sh SUITE... — train.sh's three drafters on each suite (buckets
+# 0.5–1K to 4–8K, 5 items a bucket, greedy, 64 new tokens), one eval process per suite side by side (one thread each),
+# in the AVX2 environment of the other SmolLM2 long-context reports. SKIP=5: the next five items of each bucket
+# (--skip), none repeated; T=1: at temperature 1.0 instead of greedy. FAMILY=copy: the copy family's three drafters
+# (labels hyflash-c512, full-c512, swa-c512) into /work/evals/copy-short512-*.
 # What ran: `eval.sh hotpotqa reports`, then `SKIP=5 eval.sh hotpotqa reports`, then `eval.sh probe_distant
 # probe_nearby`, then `T=1 eval.sh reports` beside `T=1 SKIP=5 eval.sh reports`.
 cd /work/main && . .venv/bin/activate
 export HYFLASH_KERNELS=avx2 HYFLASH_FAST_BF16=0 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
     ONEDNN_MAX_CPU_ISA=AVX2 DNNL_MAX_CPU_ISA=AVX2
-R=/work/runs/short512
+if [ "${FAMILY:-general}" = copy ]; then
+  R=/work/runs/copy-short512; P=copy-short512; L=c512
+else
+  R=/work/runs/short512; P=short512; L=512
+fi
 for s in "$@"; do
-  O=short512-$s${T:+-t$T}${SKIP:+-more}
-  (hyflash eval --drafters hyflash-512=$R/hyflash/final,full-512=$R/full/final,swa-512=$R/swa/final --suites $s \
+  O=$P-$s${T:+-t$T}${SKIP:+-more}
+  (hyflash eval --drafters hyflash-$L=$R/hyflash/final,full-$L=$R/full/final,swa-$L=$R/swa/final --suites $s \
      --buckets 512-1K,1K-2K,2K-4K,4K-8K ${SKIP:+--skip $SKIP} --limit 5 --max-new-tokens 64 --temperatures ${T:-0} \
      --threads 1 --out /work/evals/$O > /work/runs/eval-$O.log 2>&1; echo "rc $?" >> /work/runs/eval-$O.log) &
 done
