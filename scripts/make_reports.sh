@@ -98,6 +98,11 @@ python benchmarks/paired_items.py $SH-reports-t1 $SH-reports-t1-more --base hyfl
     > $SH/paired_t1.txt
 python benchmarks/paired_items.py $SH-reports-t1 $SH-reports-t1-more --base hyflash-512 --temperature 1.0 --by-bucket \
     > $SH/paired_by_bucket_t1.txt
+CS=$R/smollm2-copy-short512
+E="$CS-reports $CS-reports-more $CS-probe_distant"
+hyflash report $E --training-length 512 --out reports/smollm2-copy-short512-long
+python benchmarks/paired_items.py $E --base hyflash-c512 > $CS/paired.txt
+python benchmarks/paired_items.py $E --base hyflash-c512 --by-bucket > $CS/paired_by_bucket.txt
 
 # training logs -> held-out τ̂ at equal steps (the ablation and depth tables)
 A=$R/smollm2-ablations
@@ -117,6 +122,7 @@ hyflash training-report $G/stage2/hyflash $G/stage2/full $G/stage2/swa $G/stage2
 G=$R/gemma3-floor-cpu
 hyflash training-report $G/hyflash $G/floor --at-step 400 --out reports/gemma3-floor-cpu
 hyflash training-report $SH/hyflash $SH/full $SH/swa --at-step 600 --out reports/smollm2-short512-training
+hyflash training-report $CS/hyflash $CS/full $CS/swa --at-step 600 --out reports/smollm2-copy-short512-training
 G=$R/smollm2-copy
 hyflash training-report $G/hyflash $G/noslot $G/swa $G/gdn --at-step 400 --out reports/smollm2-copy
 L=$R/smollm2-copy-lags

@@ -5,7 +5,8 @@
 # (--skip), none repeated; T=1: at temperature 1.0 instead of greedy. FAMILY=copy: the copy family's three drafters
 # (labels hyflash-c512, full-c512, swa-c512) into /work/evals/copy-short512-*.
 # What ran: `eval.sh hotpotqa reports`, then `SKIP=5 eval.sh hotpotqa reports`, then `eval.sh probe_distant
-# probe_nearby`, then `T=1 eval.sh reports` beside `T=1 SKIP=5 eval.sh reports`.
+# probe_nearby`, then `T=1 eval.sh reports` beside `T=1 SKIP=5 eval.sh reports`; for the copy family (another day and
+# machine) `FAMILY=copy eval.sh reports probe_distant`, then `FAMILY=copy SKIP=5 eval.sh reports`.
 cd /work/main && . .venv/bin/activate
 export HYFLASH_KERNELS=avx2 HYFLASH_FAST_BF16=0 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
     ONEDNN_MAX_CPU_ISA=AVX2 DNNL_MAX_CPU_ISA=AVX2
