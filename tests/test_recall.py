@@ -146,3 +146,41 @@ def test_the_copy_recipes_differ_only_in_the_drafter():
     noslot = load_recipe("smollm2-copy-noslot-copymemtok-dpfp4").to_dict()  # its no-slot-attention ablation
     assert {k: x for k, x in noslot.items() if k not in ("drafter", "_comment")} == rest["hyflash"]
     assert noslot["drafter"] == {**dpfp["drafter"], "slot_attention": False}
+
+
+def test_short_recall_sequences_from_chunked_documents(tmp_path):
+    """The command line builds recall data for a short training length: base sequences cut into chunks, every
+    sequence at most --max-len tokens, every far copy's source at least --far-min + its length back, and each
+    chunk used at most once."""
+    from hyflash.data.recall import main
+
+    path = tmp_path / "base.jsonl"
+    with open(path, "w") as f:
+        for k in range(4):  # distinct tokens everywhere: a copy's source is found by value
+            f.write(json.dumps({"id": f"doc{k}", "ids": list(range(10_000 * (k + 1), 10_000 * (k + 1) + 3000))})
+                    + "\n")
+    out = tmp_path / "far.jsonl"
+    assert main(["--sequences", str(path), "--out", str(out), "--count", "20", "--min-len", "512", "--chunk", "512",
+                 "--max-len", "512", "--far-min", "272", "--lead", "288", "384", "--gap", "32", "128",
+                 "--far-fraction", "1"]) == 0
+    rows = [json.loads(line) for line in open(out)]
+    assert len(rows) == 20  # 4 documents of 3,000 tokens: 5 chunks each
+    assert len({r["id"] for r in rows}) == 20 and all("@" in r["id"] for r in rows)
+    with_copy = 0
+    for r in rows:
+        ids, spans = r["ids"], r["spans"]
+        assert len(ids) <= 512
+        for s, e in spans:
+            d = min(s - k for k in range(s) if ids[k:k + e - s] == ids[s:e])
+            assert d >= 272 + (e - s), (s, e, d)
+        with_copy += bool(spans)
+    assert with_copy >= 15  # the lead leaves room for a far copy in most sequences
+    near = tmp_path / "near.jsonl"  # a lead shorter than a copy: base text comes first, then near copies
+    assert main(["--sequences", str(path), "--out", str(near), "--count", "20", "--min-len", "512", "--chunk", "512",
+                 "--max-len", "512", "--lead", "16", "64", "--gap", "32", "128", "--far-fraction", "0"]) == 0
+    for r in map(json.loads, open(near)):
+        assert len(r["ids"]) <= 512 and r["spans"]
+        for s, e in r["spans"]:
+            assert min(s - k for k in range(s) if r["ids"][k:k + e - s] == r["ids"][s:e]) <= 224
+    meta = json.loads(out.with_suffix(".meta.json").read_text())
+    assert meta["inputs"]["chunk"] == 512 and meta["inputs"]["max_len"] == 512 and meta["inputs"]["lead"] == [288, 384]

@@ -8,13 +8,20 @@
 # FAMILY=copy: the no-slot copy family at equal parameters — the DPFP copy-memory drafter
 # (smollm2-copy-noslot-copymemtok-dpfp4) and its full-attention and sliding-window controls
 # (smollm2-copy-{full,swa}-noslot-copytok) — on the same documents, into /work/runs/copy-short512.
-# What ran: `SWA=1 STEPS=600 train.sh`, then `FAMILY=copy SWA=1 STEPS=600 train.sh`.
+# FAMILY=copy512: the same three recipes on the same documents mixed with copy data built for this length
+# (copy_data.sh: 192 sequences of near copies and 192 of far copies, 512 tokens each), into /work/runs/copy512-short512.
+# What ran: `SWA=1 STEPS=600 train.sh`, then `FAMILY=copy SWA=1 STEPS=600 train.sh`, then (after copy_data.sh)
+# `FAMILY=copy512 SWA=1 STEPS=600 train.sh`.
 STEPS=${STEPS:-600}
 cd /work/main && . .venv/bin/activate
-D=/work/data/feat/docs300
+D="--data /work/data/feat/docs300"
 declare -A RECIPE
-if [ "${FAMILY:-general}" = copy ]; then
+if [ "${FAMILY:-general}" = copy ] || [ "${FAMILY:-general}" = copy512 ]; then
   OUT=/work/runs/copy-short512
+  if [ "$FAMILY" = copy512 ]; then
+    OUT=/work/runs/copy512-short512
+    D="$D --data /work/data/copy512/feat/near --data /work/data/copy512/feat/far"
+  fi
   RECIPE=([hyflash]=smollm2-copy-noslot-copymemtok-dpfp4 [full]=smollm2-copy-full-noslot-copytok
           [swa]=smollm2-copy-swa-noslot-copytok)
 else
@@ -25,7 +32,7 @@ mkdir -p $OUT
 RUNS="hyflash full"
 [ "${SWA:-0}" = 1 ] && RUNS="$RUNS swa"
 for r in $RUNS; do
-  (hyflash train --recipe ${RECIPE[$r]} --data $D --set seq_len=512 --set steps=$STEPS --set eval_every=100 \
+  (hyflash train --recipe ${RECIPE[$r]} $D --set seq_len=512 --set steps=$STEPS --set eval_every=100 \
      --set bf16=false --threads 1 ${STOP:+--stop-at $STOP} --out $OUT/$r >> $OUT-$r.log 2>&1; echo "rc $?" >> $OUT-$r.log) &
 done
 wait

@@ -42,10 +42,11 @@ from hyflash.data.split import write_json
 
 def recall_sequence(ids: list[int], rng: np.random.Generator, max_len: int = 2048, copy_len: tuple = (32, 96),
                     gap: tuple = (96, 384), near_max: int = 224, far_min: int = 320,
-                    far_fraction: float = 0.5) -> tuple[list[int], list]:
+                    far_fraction: float = 0.5, lead: tuple | None = None) -> tuple[list[int], list]:
     """(ids, spans): ``ids`` (a base sequence) with passages of what came before copied forward.
 
-    The output starts with a stretch of base text; then, while room is left: a copy of L tokens (L uniform in
+    The output starts with a stretch of base text (its length uniform in ``lead``, by default ``far_min`` to
+    ``2 * far_min``: shorter for short training lengths, so that a copy still fits in ``max_len``); then, while room is left: a copy of L tokens (L uniform in
     ``copy_len``) of the output so far, from ``d`` tokens back (near: L < d ≤ near_max; far: d ≥ far_min, as far
     back as the output reaches), followed by the next ``gap`` tokens of base text. A copy's span is its own
     positions. A copy is far with probability ``far_fraction``; far copies fall back to near ones until the output
@@ -53,7 +54,8 @@ def recall_sequence(ids: list[int], rng: np.random.Generator, max_len: int = 204
     if not 0.0 <= far_fraction <= 1.0:
         raise HyflashError(f"far_fraction must lie in [0, 1], got {far_fraction}")
     lo, hi = copy_len
-    out = list(ids[:int(rng.integers(far_min, 2 * far_min))])
+    lead_lo, lead_hi = lead if lead is not None else (far_min, 2 * far_min - 1)
+    out = list(ids[:int(rng.integers(lead_lo, lead_hi + 1))])
     pos, spans = len(out), []
     while pos < len(ids):
         L = int(rng.integers(lo, hi + 1))
@@ -62,10 +64,10 @@ def recall_sequence(ids: list[int], rng: np.random.Generator, max_len: int = 204
         far = rng.random() < far_fraction
         if far and len(out) >= far_min + L:
             d = int(rng.integers(far_min + L, len(out) + 1))  # the whole source lies past the window
-        elif far_fraction < 1.0:
+        elif far_fraction < 1.0 and len(out) > L:
             d = int(rng.integers(L + 1, min(near_max, len(out)) + 1))
         else:
-            d = 0  # far copies only, and none fits yet: base text instead
+            d = 0  # far copies only and none fits yet, or a short lead: base text instead
         if d:
             src = len(out) - d
             spans.append([len(out), len(out) + L])
@@ -87,12 +89,17 @@ def held_out_ids(sequences: list[dict], recipe: str | None) -> set[str]:
 
 
 def build_recall(sequences_path, out_path, count: int = 256, min_len: int = 1536, recipe: str | None = None,
-                 seed: int = 0, **kw) -> dict:
+                 seed: int = 0, chunk: int | None = None, **kw) -> dict:
     """Write ``count`` recall sequences built from a seeded sample of the base sequences of at least ``min_len``
-    tokens (held-out ones skipped). Returns the meta (also written next to the output)."""
+    tokens (held-out ones skipped). With ``chunk``, each base sequence is first cut into pieces of ``chunk`` tokens
+    (the remainder dropped), so that a short training length does not use a few hundred tokens of each long
+    document and waste the rest. Returns the meta (also written next to the output)."""
     with open(sequences_path, encoding="utf-8") as f:
         base = [json.loads(line) for line in f if line.strip()]
     skip = held_out_ids(base, recipe)
+    if chunk:
+        base = [{"id": f"{s['id']}@{k}", "ids": s["ids"][k:k + chunk]} for s in base if s["id"] not in skip
+                for k in range(0, len(s["ids"]) - chunk + 1, chunk)]
     pool = [s for s in base if len(s["ids"]) >= min_len and s["id"] not in skip]
     if not pool:
         raise HyflashError(f"no sequence of {min_len}+ tokens in {sequences_path}")
@@ -110,7 +117,8 @@ def build_recall(sequences_path, out_path, count: int = 256, min_len: int = 1536
             n_copied += sum(e - s_ for s_, e in spans)
     out.with_suffix(".jsonl.tmp").replace(out)
     meta = {"inputs": {"sequences": str(sequences_path), "sha256": sha256_file(Path(sequences_path)),
-                       "count": count, "min_len": min_len, "recipe": recipe, "seed": seed, **kw},
+                       "count": count, "min_len": min_len, "recipe": recipe, "seed": seed,
+                       **({"chunk": chunk} if chunk else {}), **kw},
             "sequences": len(picks), "tokens": n_tokens, "copies": n_copies, "copied_tokens": n_copied,
             "held_out_skipped": len(skip)}
     write_json(out.with_suffix(".meta.json"), meta)
@@ -144,6 +152,17 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--far-fraction", type=float, default=0.5,
                    help="share of copies whose source lies past the window (0: near copies only, 1: far only)")
+    p.add_argument("--max-len", type=int, default=2048, help="length of each recall sequence (the training length)")
+    p.add_argument("--near-max", type=int, default=224, help="a near copy's source lies at most this far back")
+    p.add_argument("--far-min", type=int, default=320,
+                   help="a far copy's source ends at least this far back (past the drafter's window)")
+    p.add_argument("--copy-len", type=int, nargs=2, default=(32, 96), metavar=("LO", "HI"), help="copy length range")
+    p.add_argument("--gap", type=int, nargs=2, default=(96, 384), metavar=("LO", "HI"),
+                   help="base text between copies")
+    p.add_argument("--lead", type=int, nargs=2, default=None, metavar=("LO", "HI"),
+                   help="base text before the first copy (default: far-min to twice it)")
+    p.add_argument("--chunk", type=int, default=None,
+                   help="cut the base sequences into pieces of this many tokens first (short training lengths)")
     p.add_argument("--check-features", metavar="DIR", default=None,
                    help="build nothing: report how often the target continues the copies of a recall feature store")
     args = p.parse_args(argv)
@@ -157,8 +176,12 @@ def main(argv=None) -> int:
     if not (args.sequences and args.out):
         p.error("--sequences and --out are required (unless --check-features)")
     try:
+        kw = dict(far_fraction=args.far_fraction, max_len=args.max_len, near_max=args.near_max, far_min=args.far_min,
+                  copy_len=tuple(args.copy_len), gap=tuple(args.gap))
+        if args.lead is not None:
+            kw["lead"] = tuple(args.lead)
         meta = build_recall(args.sequences, args.out, args.count, args.min_len, args.recipe, args.seed,
-                            far_fraction=args.far_fraction)
+                            chunk=args.chunk, **kw)
     except HyflashError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
