@@ -103,6 +103,13 @@ E="$CS-reports $CS-reports-more $CS-probe_distant"
 hyflash report $E --training-length 512 --out reports/smollm2-copy-short512-long
 python benchmarks/paired_items.py $E --base hyflash-c512 > $CS/paired.txt
 python benchmarks/paired_items.py $E --base hyflash-c512 --by-bucket > $CS/paired_by_bucket.txt
+CC=$R/smollm2-copy512-short512
+E="$CC-reports $CC-reports-more $CC-probe_distant $CC-probe_distant-more"
+hyflash report $E --training-length 512 --out reports/smollm2-copy512-short512-long
+python benchmarks/paired_items.py $E --base hyflash-cc512 > $CC/paired.txt
+python benchmarks/paired_items.py $E --base hyflash-cc512 --by-bucket > $CC/paired_by_bucket.txt
+python benchmarks/paired_items.py $CC-reports $CC-reports-more $CS-reports $CS-reports-more --base hyflash-cc512 \
+    --by-bucket > $CC/paired_by_bucket_vs_docs_only.txt
 
 # training logs -> held-out τ̂ at equal steps (the ablation and depth tables)
 A=$R/smollm2-ablations
@@ -123,6 +130,7 @@ G=$R/gemma3-floor-cpu
 hyflash training-report $G/hyflash $G/floor --at-step 400 --out reports/gemma3-floor-cpu
 hyflash training-report $SH/hyflash $SH/full $SH/swa --at-step 600 --out reports/smollm2-short512-training
 hyflash training-report $CS/hyflash $CS/full $CS/swa --at-step 600 --out reports/smollm2-copy-short512-training
+hyflash training-report $CC/hyflash $CC/full $CC/swa --at-step 600 --out reports/smollm2-copy512-short512-training
 G=$R/smollm2-copy
 hyflash training-report $G/hyflash $G/noslot $G/swa $G/gdn --at-step 400 --out reports/smollm2-copy
 L=$R/smollm2-copy-lags
