@@ -110,6 +110,11 @@ python benchmarks/paired_items.py $E --base hyflash-cc512 > $CC/paired.txt
 python benchmarks/paired_items.py $E --base hyflash-cc512 --by-bucket > $CC/paired_by_bucket.txt
 python benchmarks/paired_items.py $CC-reports $CC-reports-more $CS-reports $CS-reports-more --base hyflash-cc512 \
     --by-bucket > $CC/paired_by_bucket_vs_docs_only.txt
+hyflash report $CC-reports-t1 $CC-reports-t1-more --training-length 512 --out reports/smollm2-copy512-short512-long-t1
+python benchmarks/paired_items.py $CC-reports-t1 $CC-reports-t1-more --base hyflash-cc512 --temperature 1.0 \
+    > $CC/paired_t1.txt
+python benchmarks/paired_items.py $CC-reports-t1 $CC-reports-t1-more --base hyflash-cc512 --temperature 1.0 --by-bucket \
+    > $CC/paired_by_bucket_t1.txt
 
 # training logs -> held-out τ̂ at equal steps (the ablation and depth tables)
 A=$R/smollm2-ablations
