@@ -97,10 +97,11 @@ def build_recall(sequences_path, out_path, count: int = 256, min_len: int = 1536
     with open(sequences_path, encoding="utf-8") as f:
         base = [json.loads(line) for line in f if line.strip()]
     skip = held_out_ids(base, recipe)
+    base = [s for s in base if s["id"] not in skip]
     if chunk:
-        base = [{"id": f"{s['id']}@{k}", "ids": s["ids"][k:k + chunk]} for s in base if s["id"] not in skip
+        base = [{"id": f"{s['id']}@{k}", "ids": s["ids"][k:k + chunk]} for s in base
                 for k in range(0, len(s["ids"]) - chunk + 1, chunk)]
-    pool = [s for s in base if len(s["ids"]) >= min_len and s["id"] not in skip]
+    pool = [s for s in base if len(s["ids"]) >= min_len]
     if not pool:
         raise HyflashError(f"no sequence of {min_len}+ tokens in {sequences_path}")
     rng = np.random.default_rng([seed, 11])
