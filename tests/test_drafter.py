@@ -97,14 +97,14 @@ def test_training_forward_equals_streaming_runtime(kw):
 
 @pytest.mark.parametrize("kw", VARIANTS, ids=lambda kw: "-".join(f"{v}" for v in kw.values()))
 def test_padding_anchors_change_nothing(kw):
-    """A batch pads its rows with anchor 0 (masked in the loss): the padded rows run, and the real anchors' logits are
-    those of the row without padding."""
+    """A batch pads its rows with anchor 1 (masked in the loss: train.make_batch): the padded rows run, and the real
+    anchors' logits are those of the row without padding."""
     d = tiny_drafter(**kw)
     g = torch.Generator().manual_seed(2)
     feats = torch.randn(1, 20, 3 * 16, dtype=torch.float64, generator=g)
     ids = torch.randint(50, (1, 20), generator=g)
     real = d.forward_train(feats, ids, torch.tensor([[1, 4, 9]]))
-    padded = d.forward_train(feats, ids, torch.tensor([[1, 4, 9, 0, 0]]))
+    padded = d.forward_train(feats, ids, torch.tensor([[1, 4, 9, 1, 1]]))
     assert padded.shape[1] == 5 and torch.isfinite(padded).all()
     torch.testing.assert_close(padded[:, :3], real, rtol=1e-10, atol=1e-10)
 

@@ -360,6 +360,21 @@ def test_anchors_and_supervised_slots_stay_inside_spans():
     assert seen <= set(range(3, 9)) | {20} | set(range(30, 45)) and len(seen) > 10
 
 
+def test_batch_padding_is_masked_at_a_valid_anchor():
+    """Rows with fewer anchors or tokens than the batch's longest are padded: padding anchors are 1 (a position every
+    drafter can read the feature before), and none of their slots is supervised."""
+    def item(T, spans):
+        return dict(features=torch.zeros(T, 4, dtype=torch.bfloat16), input_ids=torch.arange(T),
+                    labels=torch.arange(T) + 1, spans=spans)
+    cfg = tiny_config(seq_len=64, anchors_per_seq=6)
+    b = make_batch([item(40, [[0, 40]]), item(8, [[2, 5]])], [0, 1], cfg, np.random.default_rng(0), with_topk=False)
+    assert b["input_ids"].shape == (2, 40) and b["anchors"].shape[1] == 6
+    real = b["mask"].any(-1)
+    assert real[0].all() and 0 < real[1].sum() < 6
+    assert (b["anchors"][~real] == 1).all() and not b["mask"][~real].any()
+    assert (b["anchors"] >= 1).all()
+
+
 def test_follow_target_path_masks_blocks_the_target_would_not_accept():
     T = 20
     ids = torch.arange(T)

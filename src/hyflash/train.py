@@ -378,10 +378,12 @@ def make_batch(store, ids: list[int], cfg: TrainConfig, rng: np.random.Generator
     T = max(len(r["input_ids"]) for r in rows)
     n = max(1, max(len(r["anchors"]) for r in rows))
 
-    def pad(x, length):  # pad dim 0 with zeros (anchor 0, token 0, masked)
-        return F.pad(x, [0, 0] * (x.dim() - 1) + [0, length - x.shape[0]])
+    def pad(x, length, value=0):  # pad dim 0 (masked: its slots are left out of the loss)
+        return F.pad(x, [0, 0] * (x.dim() - 1) + [0, length - x.shape[0]], value=value)
 
-    batch = {k: torch.stack([pad(r[k], T if k in ("features", "input_ids") else n) for r in rows]) for k in rows[0]}
+    # a padding anchor is 1, a valid anchor (the copy head reads the feature before it), not 0
+    batch = {k: torch.stack([pad(r[k], T if k in ("features", "input_ids") else n, int(k == "anchors"))
+                             for r in rows]) for k in rows[0]}
     batch.setdefault("topk_vals", None)
     batch.setdefault("topk_ids", None)
     return batch

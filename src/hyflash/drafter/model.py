@@ -359,9 +359,9 @@ class HyFlashDrafter(nn.Module):
 
     def copy_slot_inputs(self, c: torch.Tensor, input_ids: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
         """Training: the copy head's slot inputs [B, n, S, d] at every anchor of a sequence (committed features c of
-        positions 0..T−1). Real anchors are ≥ 1; a batch pads with anchor 0 (masked), read here as anchor 1."""
+        positions 0..T−1). Anchors are ≥ 1 (a batch pads with anchor 1, masked: see train.make_batch)."""
         zero = c.new_zeros(c.shape[0], 1, c.shape[-1])
-        at = (anchors - 1).clamp(min=0)[..., None].expand(-1, -1, c.shape[-1])
+        at = (anchors - 1)[..., None].expand(-1, -1, c.shape[-1])
         e = e_before = None
         if self.config.copy_head_tokens:
             e = self.copy_token_embeddings(input_ids, c.dtype)
