@@ -10,29 +10,38 @@
 # (smollm2-copy-{full,swa}-noslot-copytok) — on the same documents, into /work/runs/copy-short512.
 # FAMILY=copy512: the same three recipes on the same documents mixed with copy data built for this length
 # (copy_data.sh: 192 sequences of near copies and 192 of far copies, 512 tokens each), into /work/runs/copy512-short512.
+# FAMILY=copy512s2: a second stage of copy512 — each drafter starts from its copy512 weights (final/) and trains STEPS
+# more steps on the same mixture (the recipe's schedule again, data order seed 1, the same held-out sequences), into
+# /work/runs/copy512s2-short512.
 # What ran: `SWA=1 STEPS=600 train.sh`, then `FAMILY=copy SWA=1 STEPS=600 train.sh`, then (after copy_data.sh)
-# `FAMILY=copy512 SWA=1 STEPS=600 train.sh`.
+# `FAMILY=copy512 SWA=1 STEPS=600 train.sh`, then `FAMILY=copy512s2 SWA=1 STEPS=600 train.sh`.
 STEPS=${STEPS:-600}
 cd /work/main && . .venv/bin/activate
 D="--data /work/data/feat/docs300"
 declare -A RECIPE
-if [ "${FAMILY:-general}" = copy ] || [ "${FAMILY:-general}" = copy512 ]; then
-  OUT=/work/runs/copy-short512
-  if [ "$FAMILY" = copy512 ]; then
-    OUT=/work/runs/copy512-short512
-    D="$D --data /work/data/copy512/feat/near --data /work/data/copy512/feat/far"
-  fi
-  RECIPE=([hyflash]=smollm2-copy-noslot-copymemtok-dpfp4 [full]=smollm2-copy-full-noslot-copytok
-          [swa]=smollm2-copy-swa-noslot-copytok)
-else
-  OUT=/work/runs/short512
-  RECIPE=([hyflash]=smollm2-hyflash [full]=smollm2-full [swa]=smollm2-swa)
-fi
+case "${FAMILY:-general}" in
+  copy|copy512|copy512s2)
+    RECIPE=([hyflash]=smollm2-copy-noslot-copymemtok-dpfp4 [full]=smollm2-copy-full-noslot-copytok
+            [swa]=smollm2-copy-swa-noslot-copytok) ;;
+  general)
+    RECIPE=([hyflash]=smollm2-hyflash [full]=smollm2-full [swa]=smollm2-swa) ;;
+  *) echo "unknown FAMILY=$FAMILY" >&2; exit 2 ;;
+esac
+case "${FAMILY:-general}" in
+  general) OUT=/work/runs/short512 ;;
+  copy) OUT=/work/runs/copy-short512 ;;
+  copy512) OUT=/work/runs/copy512-short512
+    D="$D --data /work/data/copy512/feat/near --data /work/data/copy512/feat/far" ;;
+  copy512s2) OUT=/work/runs/copy512s2-short512
+    D="$D --data /work/data/copy512/feat/near --data /work/data/copy512/feat/far" ;;
+esac
 mkdir -p $OUT
 RUNS="hyflash full"
 [ "${SWA:-0}" = 1 ] && RUNS="$RUNS swa"
 for r in $RUNS; do
-  (hyflash train --recipe ${RECIPE[$r]} $D --set seq_len=512 --set steps=$STEPS --set eval_every=100 \
+  INIT=""
+  [ "$FAMILY" = copy512s2 ] && INIT="--init-from /work/runs/copy512-short512/$r/final --set seed=1"
+  (hyflash train --recipe ${RECIPE[$r]} $D $INIT --set seq_len=512 --set steps=$STEPS --set eval_every=100 \
      --set bf16=false --threads 1 ${STOP:+--stop-at $STOP} --out $OUT/$r >> $OUT-$r.log 2>&1; echo "rc $?" >> $OUT-$r.log) &
 done
 wait
