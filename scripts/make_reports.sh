@@ -115,6 +115,13 @@ python benchmarks/paired_items.py $CC-reports-t1 $CC-reports-t1-more --base hyfl
     > $CC/paired_t1.txt
 python benchmarks/paired_items.py $CC-reports-t1 $CC-reports-t1-more --base hyflash-cc512 --temperature 1.0 --by-bucket \
     > $CC/paired_by_bucket_t1.txt
+CT=$R/smollm2-copy512s2-short512
+E="$CT-reports $CT-reports-more $CT-probe_distant $CT-probe_distant-more"
+hyflash report $E --training-length 512 --out reports/smollm2-copy512s2-short512-long
+python benchmarks/paired_items.py $E --base hyflash-cc512s2 > $CT/paired.txt
+python benchmarks/paired_items.py $E --base hyflash-cc512s2 --by-bucket > $CT/paired_by_bucket.txt
+python benchmarks/paired_items.py $CT-reports $CT-reports-more $CC-reports $CC-reports-more --base hyflash-cc512s2 \
+    --by-bucket > $CT/paired_by_bucket_vs_stage1.txt
 
 # training logs -> held-out τ̂ at equal steps (the ablation and depth tables)
 A=$R/smollm2-ablations
@@ -136,6 +143,7 @@ hyflash training-report $G/hyflash $G/floor --at-step 400 --out reports/gemma3-f
 hyflash training-report $SH/hyflash $SH/full $SH/swa --at-step 600 --out reports/smollm2-short512-training
 hyflash training-report $CS/hyflash $CS/full $CS/swa --at-step 600 --out reports/smollm2-copy-short512-training
 hyflash training-report $CC/hyflash $CC/full $CC/swa --at-step 600 --out reports/smollm2-copy512-short512-training
+hyflash training-report $CT/hyflash $CT/full $CT/swa --at-step 600 --out reports/smollm2-copy512s2-short512-training
 G=$R/smollm2-copy
 hyflash training-report $G/hyflash $G/noslot $G/swa $G/gdn --at-step 400 --out reports/smollm2-copy
 L=$R/smollm2-copy-lags

@@ -4,11 +4,13 @@
 # in the AVX2 environment of the other SmolLM2 long-context reports. SKIP=5: the next five items of each bucket
 # (--skip), none repeated; T=1: at temperature 1.0 instead of greedy. FAMILY=copy: the copy family's three drafters
 # (labels hyflash-c512, full-c512, swa-c512) into /work/evals/copy-short512-*; FAMILY=copy512: those trained with
-# copy data of this length (labels hyflash-cc512, full-cc512, swa-cc512) into /work/evals/copy512-short512-*.
+# copy data of this length (labels hyflash-cc512, full-cc512, swa-cc512) into /work/evals/copy512-short512-*;
+# FAMILY=copy512s2: their second stage (labels hyflash-cc512s2, …) into /work/evals/copy512s2-short512-*.
 # What ran: `eval.sh hotpotqa reports`, then `SKIP=5 eval.sh hotpotqa reports`, then `eval.sh probe_distant
 # probe_nearby`, then `T=1 eval.sh reports` beside `T=1 SKIP=5 eval.sh reports`; for the copy family (another day and
 # machine) `FAMILY=copy eval.sh reports probe_distant`, then `FAMILY=copy SKIP=5 eval.sh reports`; the same two for
-# FAMILY=copy512, then `FAMILY=copy512 T=1 eval.sh reports` beside `FAMILY=copy512 T=1 SKIP=5 eval.sh reports`.
+# FAMILY=copy512, then `FAMILY=copy512 T=1 eval.sh reports` beside `FAMILY=copy512 T=1 SKIP=5 eval.sh reports`;
+# for FAMILY=copy512s2 `eval.sh reports probe_distant`, then `SKIP=5 eval.sh reports probe_distant`.
 cd /work/main && . .venv/bin/activate
 export HYFLASH_KERNELS=avx2 HYFLASH_FAST_BF16=0 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
     ONEDNN_MAX_CPU_ISA=AVX2 DNNL_MAX_CPU_ISA=AVX2
@@ -16,6 +18,8 @@ if [ "${FAMILY:-general}" = copy ]; then
   R=/work/runs/copy-short512; P=copy-short512; L=c512
 elif [ "${FAMILY:-general}" = copy512 ]; then
   R=/work/runs/copy512-short512; P=copy512-short512; L=cc512
+elif [ "${FAMILY:-general}" = copy512s2 ]; then
+  R=/work/runs/copy512s2-short512; P=copy512s2-short512; L=cc512s2
 else
   R=/work/runs/short512; P=short512; L=512
 fi
