@@ -88,38 +88,33 @@ python benchmarks/paired_items.py $L-docs-t1 --base dpfp4-noslot-1200 --temperat
 python benchmarks/paired_items.py $L-probes-t1 --base dpfp4-noslot-1200 --temperature 1.0 > $L-probes-t1/paired.txt
 python benchmarks/compare_eval_runs.py $R/gemma3-gpu-long $R/gemma3-cpp-attention-ngram \
     > $R/gemma3-cpp-attention-ngram/compare_with_gemma3-gpu-long.txt
-SH=$R/smollm2-short512
-E="$SH-hotpotqa $SH-hotpotqa-more $SH-reports $SH-reports-more $SH-probe_distant $SH-probe_nearby"
-hyflash report $E --training-length 512 --out reports/smollm2-short512-long
-python benchmarks/paired_items.py $E --base hyflash-512 > $SH/paired.txt
-python benchmarks/paired_items.py $E --base hyflash-512 --by-bucket > $SH/paired_by_bucket.txt
-hyflash report $SH-reports-t1 $SH-reports-t1-more --training-length 512 --out reports/smollm2-short512-long-t1
-python benchmarks/paired_items.py $SH-reports-t1 $SH-reports-t1-more --base hyflash-512 --temperature 1.0 \
-    > $SH/paired_t1.txt
-python benchmarks/paired_items.py $SH-reports-t1 $SH-reports-t1-more --base hyflash-512 --temperature 1.0 --by-bucket \
-    > $SH/paired_by_bucket_t1.txt
-CS=$R/smollm2-copy-short512
-E="$CS-reports $CS-reports-more $CS-probe_distant"
-hyflash report $E --training-length 512 --out reports/smollm2-copy-short512-long
-python benchmarks/paired_items.py $E --base hyflash-c512 > $CS/paired.txt
-python benchmarks/paired_items.py $E --base hyflash-c512 --by-bucket > $CS/paired_by_bucket.txt
-CC=$R/smollm2-copy512-short512
-E="$CC-reports $CC-reports-more $CC-probe_distant $CC-probe_distant-more"
-hyflash report $E --training-length 512 --out reports/smollm2-copy512-short512-long
-python benchmarks/paired_items.py $E --base hyflash-cc512 > $CC/paired.txt
-python benchmarks/paired_items.py $E --base hyflash-cc512 --by-bucket > $CC/paired_by_bucket.txt
+# the 512-token families: long_report NAME BASE SUFFIX... reports the runs $R/NAME-SUFFIX beyond a 512-token training
+# length into reports/NAME-long, with paired.txt and paired_by_bucket.txt against BASE in $R/NAME; t1_report NAME BASE
+# does the same for the temperature-1.0 runs $R/NAME-reports-t1{,-more} into reports/NAME-long-t1
+long_report() {
+  local name=$1 base=$2 runs=() s
+  shift 2
+  for s in "$@"; do runs+=("$R/$name-$s"); done
+  hyflash report "${runs[@]}" --training-length 512 --out reports/$name-long
+  python benchmarks/paired_items.py "${runs[@]}" --base $base > $R/$name/paired.txt
+  python benchmarks/paired_items.py "${runs[@]}" --base $base --by-bucket > $R/$name/paired_by_bucket.txt
+}
+t1_report() {
+  local name=$1 base=$2 runs=("$R/$1-reports-t1" "$R/$1-reports-t1-more")
+  hyflash report "${runs[@]}" --training-length 512 --out reports/$name-long-t1
+  python benchmarks/paired_items.py "${runs[@]}" --base $base --temperature 1.0 > $R/$name/paired_t1.txt
+  python benchmarks/paired_items.py "${runs[@]}" --base $base --temperature 1.0 --by-bucket \
+      > $R/$name/paired_by_bucket_t1.txt
+}
+SH=$R/smollm2-short512 CS=$R/smollm2-copy-short512 CC=$R/smollm2-copy512-short512 CT=$R/smollm2-copy512s2-short512
+long_report smollm2-short512 hyflash-512 hotpotqa hotpotqa-more reports reports-more probe_distant probe_nearby
+t1_report smollm2-short512 hyflash-512
+long_report smollm2-copy-short512 hyflash-c512 reports reports-more probe_distant
+long_report smollm2-copy512-short512 hyflash-cc512 reports reports-more probe_distant probe_distant-more
 python benchmarks/paired_items.py $CC-reports $CC-reports-more $CS-reports $CS-reports-more --base hyflash-cc512 \
     --by-bucket > $CC/paired_by_bucket_vs_docs_only.txt
-hyflash report $CC-reports-t1 $CC-reports-t1-more --training-length 512 --out reports/smollm2-copy512-short512-long-t1
-python benchmarks/paired_items.py $CC-reports-t1 $CC-reports-t1-more --base hyflash-cc512 --temperature 1.0 \
-    > $CC/paired_t1.txt
-python benchmarks/paired_items.py $CC-reports-t1 $CC-reports-t1-more --base hyflash-cc512 --temperature 1.0 --by-bucket \
-    > $CC/paired_by_bucket_t1.txt
-CT=$R/smollm2-copy512s2-short512
-E="$CT-reports $CT-reports-more $CT-probe_distant $CT-probe_distant-more"
-hyflash report $E --training-length 512 --out reports/smollm2-copy512s2-short512-long
-python benchmarks/paired_items.py $E --base hyflash-cc512s2 > $CT/paired.txt
-python benchmarks/paired_items.py $E --base hyflash-cc512s2 --by-bucket > $CT/paired_by_bucket.txt
+t1_report smollm2-copy512-short512 hyflash-cc512
+long_report smollm2-copy512s2-short512 hyflash-cc512s2 reports reports-more probe_distant probe_distant-more
 python benchmarks/paired_items.py $CT-reports $CT-reports-more $CC-reports $CC-reports-more --base hyflash-cc512s2 \
     --by-bucket > $CT/paired_by_bucket_vs_stage1.txt
 
