@@ -18,31 +18,23 @@
 STEPS=${STEPS:-600}
 cd /work/main && . .venv/bin/activate
 D="--data /work/data/feat/docs300"
-declare -A RECIPE
+COPY512="--data /work/data/copy512/feat/near --data /work/data/copy512/feat/far"
+declare -A RECIPE=([hyflash]=smollm2-copy-noslot-copymemtok-dpfp4 [full]=smollm2-copy-full-noslot-copytok
+                   [swa]=smollm2-copy-swa-noslot-copytok)
+INIT_FROM=""  # a second stage: each run starts from INIT_FROM/<run>/final
 case "${FAMILY:-general}" in
-  copy|copy512|copy512s2)
-    RECIPE=([hyflash]=smollm2-copy-noslot-copymemtok-dpfp4 [full]=smollm2-copy-full-noslot-copytok
-            [swa]=smollm2-copy-swa-noslot-copytok) ;;
-  general)
-    RECIPE=([hyflash]=smollm2-hyflash [full]=smollm2-full [swa]=smollm2-swa) ;;
-  *) echo "unknown FAMILY=$FAMILY" >&2; exit 2 ;;
-esac
-case "${FAMILY:-general}" in
-  general) OUT=/work/runs/short512 ;;
+  general) OUT=/work/runs/short512; RECIPE=([hyflash]=smollm2-hyflash [full]=smollm2-full [swa]=smollm2-swa) ;;
   copy) OUT=/work/runs/copy-short512 ;;
-  copy512) OUT=/work/runs/copy512-short512
-    D="$D --data /work/data/copy512/feat/near --data /work/data/copy512/feat/far" ;;
-  copy512s2) OUT=/work/runs/copy512s2-short512
-    D="$D --data /work/data/copy512/feat/near --data /work/data/copy512/feat/far" ;;
+  copy512) OUT=/work/runs/copy512-short512; D="$D $COPY512" ;;
+  copy512s2) OUT=/work/runs/copy512s2-short512; D="$D $COPY512"; INIT_FROM=/work/runs/copy512-short512 ;;
+  *) echo "unknown FAMILY=$FAMILY" >&2; exit 2 ;;
 esac
 mkdir -p $OUT
 RUNS="hyflash full"
 [ "${SWA:-0}" = 1 ] && RUNS="$RUNS swa"
 for r in $RUNS; do
-  INIT=""
-  [ "$FAMILY" = copy512s2 ] && INIT="--init-from /work/runs/copy512-short512/$r/final --set seed=1"
-  (hyflash train --recipe ${RECIPE[$r]} $D $INIT --set seq_len=512 --set steps=$STEPS --set eval_every=100 \
-     --set bf16=false --threads 1 ${STOP:+--stop-at $STOP} --out $OUT/$r >> $OUT-$r.log 2>&1; echo "rc $?" >> $OUT-$r.log) &
+  (hyflash train --recipe ${RECIPE[$r]} $D ${INIT_FROM:+--init-from $INIT_FROM/$r/final --set seed=1} \
+     --set seq_len=512 --set steps=$STEPS --set eval_every=100 --set bf16=false --threads 1 ${STOP:+--stop-at $STOP} --out $OUT/$r >> $OUT-$r.log 2>&1; echo "rc $?" >> $OUT-$r.log) &
 done
 wait
 for r in $RUNS; do hyflash train --export --out $OUT/$r >> $OUT-$r.log 2>&1; done
