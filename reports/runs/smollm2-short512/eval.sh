@@ -5,7 +5,9 @@
 # (--skip), none repeated; T=1: at temperature 1.0 instead of greedy. FAMILY=copy: the copy family's three drafters
 # (labels hyflash-c512, full-c512, swa-c512) into /work/evals/copy-short512-*; FAMILY=copy512: those trained with
 # copy data of this length (labels hyflash-cc512, full-cc512, swa-cc512) into /work/evals/copy512-short512-*;
-# FAMILY=copy512s2: their second stage (labels hyflash-cc512s2, …) into /work/evals/copy512s2-short512-*.
+# FAMILY=copy512s2: their second stage (labels hyflash-cc512s2, …) into /work/evals/copy512s2-short512-*. SLOT=1 adds
+# train.sh's run `slot` of the family (label slot-cc512 etc.: HyFlash with attention among the draft slots) and writes
+# to /work/evals/<family>-slot-*.
 # What ran: `eval.sh hotpotqa reports`, then `SKIP=5 eval.sh hotpotqa reports`, then `eval.sh probe_distant
 # probe_nearby`, then `T=1 eval.sh reports` beside `T=1 SKIP=5 eval.sh reports`; for the copy family (another day and
 # machine) `FAMILY=copy eval.sh reports probe_distant`, then `FAMILY=copy SKIP=5 eval.sh reports`; the same two for
@@ -23,9 +25,11 @@ elif [ "${FAMILY:-general}" = copy512s2 ]; then
 else
   R=/work/runs/short512; P=short512; L=512
 fi
+DRAFTERS=hyflash-$L=$R/hyflash/final,full-$L=$R/full/final,swa-$L=$R/swa/final
+[ "${SLOT:-0}" = 1 ] && DRAFTERS=$DRAFTERS,slot-$L=$R/slot/final && P=$P-slot
 for s in "$@"; do
   O=$P-$s${T:+-t$T}${SKIP:+-more}
-  (hyflash eval --drafters hyflash-$L=$R/hyflash/final,full-$L=$R/full/final,swa-$L=$R/swa/final --suites $s \
+  (hyflash eval --drafters $DRAFTERS --suites $s \
      --buckets 512-1K,1K-2K,2K-4K,4K-8K ${SKIP:+--skip $SKIP} --limit 5 --max-new-tokens 64 --temperatures ${T:-0} \
      --threads 1 --out /work/evals/$O > /work/runs/eval-$O.log 2>&1; echo "rc $?" >> /work/runs/eval-$O.log) &
 done
