@@ -117,6 +117,7 @@ t1_report smollm2-copy512-short512 hyflash-cc512
 long_report smollm2-copy512s2-short512 hyflash-cc512s2 reports reports-more probe_distant probe_distant-more
 python benchmarks/paired_items.py $CT-reports $CT-reports-more $CC-reports $CC-reports-more --base hyflash-cc512s2 \
     --by-bucket > $CT/paired_by_bucket_vs_stage1.txt
+t1_report smollm2-copy512s2-short512 hyflash-cc512s2
 
 # training logs -> held-out τ̂ at equal steps (the ablation and depth tables)
 A=$R/smollm2-ablations
