@@ -354,6 +354,16 @@ def test_paper_claims_check_the_bars_on_hand_made_numbers():
     assert rows["4K-8K"].endswith("**met** |") and "| 10.00 | 1.25 |" in rows["4K-8K"]
     assert "| probe_distant | 4K-8K | 0.80 | memory-limited: 0.20 | swa: 0.30 | full: – | 4.00 / 2.67 |" in md
     assert "1,000 B in every bucket" in md and "identical across buckets: **met**" in md
+    # the nearby probe: HyFlash against the drafter without slot attention; in a family trained without it (the
+    # first HyFlash has none), against the one with it
+    for b in taus:
+        for d, tau in (("h", 1.5), ("n", 1.25), ("s", 1.4)):
+            agg[("probe_nearby", b, d, 1.0)] = {"tau": tau, "n": 2, "drafter_bytes": (1000, 1000)}
+    md = "\n".join(paper_claims(agg, infos))
+    assert "| probe_nearby | 4K-8K | 0.50 | no slot attention: 0.25 | swa: 0.40 | full: – | 2.00 / 1.25 |" in md
+    # n first: HyFlash is n, h has slot attention, and s (with it) is no sliding window of n's family
+    md = "\n".join(paper_claims(agg, {"n": infos["n"], **infos}))
+    assert "| probe_nearby | 4K-8K | 0.25 | with slot attention: 0.50 | swa: – | full: – | 0.50 / – |" in md
     # drafters trained at 1,024 tokens: 1K-2K is beyond their length too (1.0 / 1.1 < 1.5), 512-1K stays within
     md1k = "\n".join(paper_claims(agg, infos, training_length=1024))
     rows1k = {line.split("|")[2].strip(): line for line in md1k.splitlines() if line.startswith("| hotpotqa")}

@@ -288,8 +288,11 @@ def paper_claims(agg: dict, infos: dict, training_length: int | None = None) -> 
                    "| suite | bucket | HyFlash τ−1 | full τ−1 | swa τ−1 | HyFlash/full | HyFlash/swa | bar | |",
                    "|---" * 9 + "|"] + rows + [""]
         probe_rows = []
+        # the nearby probe sets HyFlash against its slot-attention ablation: the drafter without it, or, in a family
+        # trained without slot attention, the one with it
+        slot_role = "with slot attention" if "with slot attention" in roles else "no slot attention"
         for s, others in (("probe_distant", ("memory-limited", "swa", "full")),
-                          ("probe_nearby", ("no slot attention", "swa", "full"))):
+                          ("probe_nearby", (slot_role, "swa", "full"))):
             for b in sorted({k[1] for k in agg if k[0] == s and k[2] == h and k[3] == t}, key=_bucket_key):
                 eh = _extra(get(s, b, h))
                 cells = [f"{_extra(get(s, b, roles.get(r))):.2f}" if get(s, b, roles.get(r)) else "–"
