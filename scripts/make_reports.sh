@@ -114,6 +114,7 @@ long_report smollm2-copy512-short512 hyflash-cc512 reports reports-more probe_di
 python benchmarks/paired_items.py $CC-reports $CC-reports-more $CS-reports $CS-reports-more --base hyflash-cc512 \
     --by-bucket > $CC/paired_by_bucket_vs_docs_only.txt
 t1_report smollm2-copy512-short512 hyflash-cc512
+long_report smollm2-copy512-short512-slot slot-cc512 probe_nearby probe_nearby-more
 long_report smollm2-copy512s2-short512 hyflash-cc512s2 reports reports-more probe_distant probe_distant-more
 python benchmarks/paired_items.py $CT-reports $CT-reports-more $CC-reports $CC-reports-more --base hyflash-cc512s2 \
     --by-bucket > $CT/paired_by_bucket_vs_stage1.txt
@@ -139,6 +140,8 @@ hyflash training-report $G/hyflash $G/floor --at-step 400 --out reports/gemma3-f
 hyflash training-report $SH/hyflash $SH/full $SH/swa --at-step 600 --out reports/smollm2-short512-training
 hyflash training-report $CS/hyflash $CS/full $CS/swa --at-step 600 --out reports/smollm2-copy-short512-training
 hyflash training-report $CC/hyflash $CC/full $CC/swa --at-step 600 --out reports/smollm2-copy512-short512-training
+hyflash training-report $CC/hyflash $CC/slot $CC/swa $CC/full --at-step 600 \
+    --out reports/smollm2-copy512-short512-slot-training
 hyflash training-report $CT/hyflash $CT/full $CT/swa --at-step 600 --out reports/smollm2-copy512s2-short512-training
 G=$R/smollm2-copy
 hyflash training-report $G/hyflash $G/noslot $G/swa $G/gdn --at-step 400 --out reports/smollm2-copy
