@@ -119,6 +119,7 @@ long_report smollm2-copy512s2-short512 hyflash-cc512s2 reports reports-more prob
 python benchmarks/paired_items.py $CT-reports $CT-reports-more $CC-reports $CC-reports-more --base hyflash-cc512s2 \
     --by-bucket > $CT/paired_by_bucket_vs_stage1.txt
 t1_report smollm2-copy512s2-short512 hyflash-cc512s2
+long_report smollm2-copy512s2-short512-slot slot-cc512s2 probe_nearby probe_nearby-more
 
 # training logs -> held-out τ̂ at equal steps (the ablation and depth tables)
 A=$R/smollm2-ablations
@@ -143,6 +144,8 @@ hyflash training-report $CC/hyflash $CC/full $CC/swa --at-step 600 --out reports
 hyflash training-report $CC/hyflash $CC/slot $CC/swa $CC/full --at-step 600 \
     --out reports/smollm2-copy512-short512-slot-training
 hyflash training-report $CT/hyflash $CT/full $CT/swa --at-step 600 --out reports/smollm2-copy512s2-short512-training
+hyflash training-report $CT/hyflash $CT/slot $CT/swa $CT/full --at-step 600 \
+    --out reports/smollm2-copy512s2-short512-slot-training
 G=$R/smollm2-copy
 hyflash training-report $G/hyflash $G/noslot $G/swa $G/gdn --at-step 400 --out reports/smollm2-copy
 L=$R/smollm2-copy-lags

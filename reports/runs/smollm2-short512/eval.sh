@@ -14,7 +14,7 @@
 # FAMILY=copy512, then `FAMILY=copy512 T=1 eval.sh reports` beside `FAMILY=copy512 T=1 SKIP=5 eval.sh reports`;
 # for FAMILY=copy512s2 `eval.sh reports probe_distant`, then `SKIP=5 eval.sh reports probe_distant`, then `T=1 eval.sh
 # reports` beside `T=1 SKIP=5 eval.sh reports`; `FAMILY=copy512 SLOT=1 eval.sh probe_nearby` beside the same with
-# SKIP=5.
+# SKIP=5, and the same two for FAMILY=copy512s2.
 cd /work/main && . .venv/bin/activate
 export HYFLASH_KERNELS=avx2 HYFLASH_FAST_BF16=0 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
     ONEDNN_MAX_CPU_ISA=AVX2 DNNL_MAX_CPU_ISA=AVX2
