@@ -18,15 +18,13 @@
 cd /work/main && . .venv/bin/activate
 export HYFLASH_KERNELS=avx2 HYFLASH_FAST_BF16=0 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
     ONEDNN_MAX_CPU_ISA=AVX2 DNNL_MAX_CPU_ISA=AVX2
-if [ "${FAMILY:-general}" = copy ]; then
-  R=/work/runs/copy-short512; P=copy-short512; L=c512
-elif [ "${FAMILY:-general}" = copy512 ]; then
-  R=/work/runs/copy512-short512; P=copy512-short512; L=cc512
-elif [ "${FAMILY:-general}" = copy512s2 ]; then
-  R=/work/runs/copy512s2-short512; P=copy512s2-short512; L=cc512s2
-else
-  R=/work/runs/short512; P=short512; L=512
-fi
+case "${FAMILY:-general}" in
+  general) R=/work/runs/short512; P=short512; L=512 ;;
+  copy) R=/work/runs/copy-short512; P=copy-short512; L=c512 ;;
+  copy512) R=/work/runs/copy512-short512; P=copy512-short512; L=cc512 ;;
+  copy512s2) R=/work/runs/copy512s2-short512; P=copy512s2-short512; L=cc512s2 ;;
+  *) echo "unknown FAMILY=$FAMILY" >&2; exit 2 ;;
+esac
 DRAFTERS=hyflash-$L=$R/hyflash/final,full-$L=$R/full/final,swa-$L=$R/swa/final
 [ "${SLOT:-0}" = 1 ] && DRAFTERS=$DRAFTERS,slot-$L=$R/slot/final && P=$P-slot
 for s in "$@"; do
