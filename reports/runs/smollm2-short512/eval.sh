@@ -7,14 +7,16 @@
 # copy data of this length (labels hyflash-cc512, full-cc512, swa-cc512) into /work/evals/copy512-short512-*;
 # FAMILY=copy512s2: their second stage (labels hyflash-cc512s2, …) into /work/evals/copy512s2-short512-*. SLOT=1 adds
 # train.sh's run `slot` of the family (label slot-cc512 etc.: HyFlash with attention among the draft slots) and writes
-# to /work/evals/<family>-slot-*.
+# to /work/evals/<family>-slot-*. FAMILY=copy512s3: the third stage (labels hyflash-cc512s3, …; only hyflash and slot were
+# trained). RUNS="..." picks train.sh's runs to evaluate (default: hyflash full swa; SLOT=1 adds slot).
 # What ran: `eval.sh hotpotqa reports`, then `SKIP=5 eval.sh hotpotqa reports`, then `eval.sh probe_distant
 # probe_nearby`, then `T=1 eval.sh reports` beside `T=1 SKIP=5 eval.sh reports`; for the copy family (another day and
 # machine) `FAMILY=copy eval.sh reports probe_distant`, then `FAMILY=copy SKIP=5 eval.sh reports`; the same two for
 # FAMILY=copy512, then `FAMILY=copy512 T=1 eval.sh reports` beside `FAMILY=copy512 T=1 SKIP=5 eval.sh reports`;
 # for FAMILY=copy512s2 `eval.sh reports probe_distant`, then `SKIP=5 eval.sh reports probe_distant`, then `T=1 eval.sh
 # reports` beside `T=1 SKIP=5 eval.sh reports`; `FAMILY=copy512 SLOT=1 eval.sh probe_nearby` beside the same with
-# SKIP=5, and the same two for FAMILY=copy512s2.
+# SKIP=5, and the same two for FAMILY=copy512s2; then `FAMILY=copy512s3 RUNS=hyflash SLOT=1 eval.sh probe_nearby`
+# beside the same with SKIP=5.
 cd /work/main && . .venv/bin/activate
 export HYFLASH_KERNELS=avx2 HYFLASH_FAST_BF16=0 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
     ONEDNN_MAX_CPU_ISA=AVX2 DNNL_MAX_CPU_ISA=AVX2
@@ -23,10 +25,16 @@ case "${FAMILY:-general}" in
   copy) R=/work/runs/copy-short512; P=copy-short512; L=c512 ;;
   copy512) R=/work/runs/copy512-short512; P=copy512-short512; L=cc512 ;;
   copy512s2) R=/work/runs/copy512s2-short512; P=copy512s2-short512; L=cc512s2 ;;
+  copy512s3) R=/work/runs/copy512s3-short512; P=copy512s3-short512; L=cc512s3 ;;
   *) echo "unknown FAMILY=$FAMILY" >&2; exit 2 ;;
 esac
-DRAFTERS=hyflash-$L=$R/hyflash/final,full-$L=$R/full/final,swa-$L=$R/swa/final
-[ "${SLOT:-0}" = 1 ] && DRAFTERS=$DRAFTERS,slot-$L=$R/slot/final && P=$P-slot
+RUNS=${RUNS:-hyflash full swa}
+[ "${SLOT:-0}" = 1 ] && RUNS="$RUNS slot" && P=$P-slot
+DRAFTERS=""
+for r in $RUNS; do
+  [ -d $R/$r/final ] || { echo "no trained run $r in $R" >&2; exit 2; }
+  DRAFTERS=$DRAFTERS${DRAFTERS:+,}$r-$L=$R/$r/final
+done
 for s in "$@"; do
   O=$P-$s${T:+-t$T}${SKIP:+-more}
   (hyflash eval --drafters $DRAFTERS --suites $s \
