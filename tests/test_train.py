@@ -292,6 +292,23 @@ def test_held_out_split_does_not_depend_on_the_training_seed():
     assert not np.array_equal(a[1], c[1])
 
 
+def test_validation_crops_and_anchors_do_not_depend_on_the_training_seed(store):
+    """The same held-out sequences are not enough: a later stage with a new data-order seed must score the same crops
+    and anchors too, or its τ̂ is not comparable with the earlier stage's (long documents crop anywhere)."""
+    from hyflash.train import split_store, validation_batches
+
+    def batches(**kw):
+        cfg = tiny_config(val_sequences=4, seq_len=24, **kw)
+        return list(validation_batches(store, split_store(store, cfg)[1], cfg))
+
+    a, b, c = batches(seed=0), batches(seed=1), batches(seed=0, split_seed=3)
+    assert len(a) == len(b) > 0
+    for x, y in zip(a, b):
+        assert torch.equal(x["anchors"], y["anchors"]) and torch.equal(x["input_ids"], y["input_ids"])
+    assert any(not torch.equal(x["input_ids"], y["input_ids"]) or not torch.equal(x["anchors"], y["anchors"])
+               for x, y in zip(a, c))
+
+
 def test_second_stage_starts_from_the_first_stages_drafter(target, store, tmp_path):
     """init_from: stage 2 begins with stage 1's exported weights and draft vocabulary (its step-0 validation τ̂
     equals the exported drafter's); a drafter of another shape is refused with a clear error."""

@@ -635,10 +635,12 @@ def draft_index(drafter: HyFlashDrafter) -> torch.Tensor | None:
 
 # ------------------------------------------------------------------------------------------- validation
 def validation_batches(store, val_idx, cfg: TrainConfig):
-    """The held-out batches validation scores: fixed crops and anchors (seeded by position, not by training state)."""
+    """The held-out batches validation scores: fixed crops and anchors, seeded by position and by the split's seed —
+    not by the data-order seed, so a later stage with a new data order is scored on the same blocks as the stage
+    before it, and its τ̂ curve continues the earlier one."""
     for k in range(0, len(val_idx), cfg.batch_seqs):
         ids = [int(i) for i in val_idx[k:k + cfg.batch_seqs]]
-        yield make_batch(store, ids, cfg, np.random.default_rng([cfg.seed, 99, k]), with_topk=False)
+        yield make_batch(store, ids, cfg, np.random.default_rng([cfg.split_seed, 99, k]), with_topk=False)
 
 
 def evaluate(drafter: HyFlashDrafter, store, val_idx, cfg: TrainConfig) -> dict:
