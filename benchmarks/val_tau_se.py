@@ -3,7 +3,9 @@ two runs' τ̂ has to be before it means anything.
 
 For each training run folder (``hyflash train`` output with ``final/``; ``hyflash train --export --out RUN`` makes one
 from the latest checkpoint of a run stopped early), re-evaluates ``final/`` on the run's own held-out sequences and
-anchors exactly as the training loop's validation does (``hyflash.train.evaluate``).
+anchors exactly as the training loop's validation does (``hyflash.train.evaluate``). The crops and anchors follow the
+split's seed (``split_seed``); logs written before that change by a run with another data-order ``seed`` (a later
+stage) scored other crops of the same sequences, so this script's τ̂ for such a run can differ from its log.
 
     python benchmarks/val_tau_se.py RUN_DIR [RUN_DIR ...]
 
