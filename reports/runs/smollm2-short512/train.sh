@@ -20,7 +20,7 @@
 # What ran: `SWA=1 STEPS=600 train.sh`, then `FAMILY=copy SWA=1 STEPS=600 train.sh`, then (after copy_data.sh)
 # `FAMILY=copy512 SWA=1 STEPS=600 train.sh`, then `FAMILY=copy512s2 SWA=1 STEPS=600 train.sh`; then
 # `FAMILY=copy512 RUNS=slot STEPS=600 train.sh` and `FAMILY=copy512s2 RUNS=slot STEPS=600 train.sh`; then
-# `FAMILY=copy512s3 RUNS="hyflash slot" STEPS=600 train.sh`.
+# `FAMILY=copy512s3 RUNS="hyflash slot" STEPS=600 train.sh`, then `FAMILY=copy512s3 RUNS="full swa" STEPS=600 train.sh`.
 STEPS=${STEPS:-600}
 cd /work/main && . .venv/bin/activate
 D="--data /work/data/feat/docs300"
