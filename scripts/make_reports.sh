@@ -107,6 +107,7 @@ t1_report() {
       > $R/$name/paired_by_bucket_t1.txt
 }
 SH=$R/smollm2-short512 CS=$R/smollm2-copy-short512 CC=$R/smollm2-copy512-short512 CT=$R/smollm2-copy512s2-short512
+C3=$R/smollm2-copy512s3-short512
 long_report smollm2-short512 hyflash-512 hotpotqa hotpotqa-more reports reports-more probe_distant probe_nearby
 t1_report smollm2-short512 hyflash-512
 long_report smollm2-copy-short512 hyflash-c512 reports reports-more probe_distant
@@ -121,9 +122,8 @@ python benchmarks/paired_items.py $CT-reports $CT-reports-more $CC-reports $CC-r
 t1_report smollm2-copy512s2-short512 hyflash-cc512s2
 long_report smollm2-copy512s2-short512-slot slot-cc512s2 probe_nearby probe_nearby-more
 long_report smollm2-copy512s3-short512-slot slot-cc512s3 probe_nearby probe_nearby-more
-C3=$R/smollm2-copy512s3-short512-slot
-python benchmarks/paired_items.py $C3-probe_nearby $C3-probe_nearby-more $CT-slot-probe_nearby $CT-slot-probe_nearby-more \
-    --base slot-cc512s3 > $C3/paired_vs_stage2.txt
+python benchmarks/paired_items.py $C3-slot-probe_nearby $C3-slot-probe_nearby-more $CT-slot-probe_nearby \
+    $CT-slot-probe_nearby-more --base slot-cc512s3 > $C3-slot/paired_vs_stage2.txt
 
 # training logs -> held-out τ̂ at equal steps (the ablation and depth tables)
 A=$R/smollm2-ablations
@@ -150,8 +150,7 @@ hyflash training-report $CC/hyflash $CC/slot $CC/swa $CC/full --at-step 600 \
 hyflash training-report $CT/hyflash $CT/full $CT/swa --at-step 600 --out reports/smollm2-copy512s2-short512-training
 hyflash training-report $CT/hyflash $CT/slot $CT/swa $CT/full --at-step 600 \
     --out reports/smollm2-copy512s2-short512-slot-training
-hyflash training-report $R/smollm2-copy512s3-short512/hyflash $R/smollm2-copy512s3-short512/slot --at-step 600 \
-    --out reports/smollm2-copy512s3-short512-slot-training
+hyflash training-report $C3/hyflash $C3/slot --at-step 600 --out reports/smollm2-copy512s3-short512-slot-training
 G=$R/smollm2-copy
 hyflash training-report $G/hyflash $G/noslot $G/swa $G/gdn --at-step 400 --out reports/smollm2-copy
 L=$R/smollm2-copy-lags

@@ -7,8 +7,8 @@
 # copy data of this length (labels hyflash-cc512, full-cc512, swa-cc512) into /work/evals/copy512-short512-*;
 # FAMILY=copy512s2: their second stage (labels hyflash-cc512s2, …) into /work/evals/copy512s2-short512-*. SLOT=1 adds
 # train.sh's run `slot` of the family (label slot-cc512 etc.: HyFlash with attention among the draft slots) and writes
-# to /work/evals/<family>-slot-*. FAMILY=copy512s3: the third stage (labels hyflash-cc512s3, …; only hyflash and slot were
-# trained). RUNS="..." picks train.sh's runs to evaluate (default: hyflash full swa; SLOT=1 adds slot).
+# to /work/evals/<family>-slot-*. FAMILY=copy512s3: the third stage (labels hyflash-cc512s3,
+# …). RUNS="..." picks train.sh's runs to evaluate (default: hyflash full swa; SLOT=1 adds slot).
 # What ran: `eval.sh hotpotqa reports`, then `SKIP=5 eval.sh hotpotqa reports`, then `eval.sh probe_distant
 # probe_nearby`, then `T=1 eval.sh reports` beside `T=1 SKIP=5 eval.sh reports`; for the copy family (another day and
 # machine) `FAMILY=copy eval.sh reports probe_distant`, then `FAMILY=copy SKIP=5 eval.sh reports`; the same two for
