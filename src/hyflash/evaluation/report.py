@@ -10,7 +10,9 @@ tau_vs_depth.png.
 from __future__ import annotations
 
 import json
+import random
 from collections import defaultdict
+from functools import partial
 from pathlib import Path
 
 from hyflash import HyflashError
@@ -160,7 +162,7 @@ def build_report(run_dirs: list, out_dir, fake: bool = False, training_length: i
                          if (r["suite"], r["bucket"], r["temperature"]) == (suite, b, t)})
                 md.append(f"| {b} (n={n}) | " + " | ".join(cells) + " |")
             md.append("")
-    md += paper_claims(agg, infos, training_length)
+    md += paper_claims(agg, infos, training_length, rows)
     # short suites: τ and speedup per drafter
     short = sorted({k[0] for k in agg if not k[1]})
     if short:
@@ -247,13 +249,69 @@ def _meets(ok: bool | None) -> str:
     return "–" if ok is None else "**met**" if ok else "**not met**"
 
 
-def paper_claims(agg: dict, infos: dict, training_length: int | None = None) -> list[str]:
+def _bar_holds(beyond: bool, eh: float | None, ef: float | None, es: float | None) -> bool | None:
+    """The issue's bar on τ − 1 (``None`` where a drafter it needs was not evaluated): beyond the training length
+    HyFlash ≥ 1.5× full attention and ≥ 1.1× sliding window, within it HyFlash ≥ full attention."""
+    if beyond:
+        if ef is None or es is None:
+            return None
+        return (eh >= 1.5 * ef if ef > 0 else eh > 0) and (eh >= 1.1 * es if es > 0 else eh > 0)
+    return None if ef is None else eh >= ef
+
+
+BOOTSTRAP_DRAWS = 2000
+
+
+def _paired_items(rows: list[dict], suite: str, bucket: str, t: float, drafters: list[str]) -> list[list]:
+    """Per prompt that every one of ``drafters`` decoded in (suite, bucket) at temperature ``t``: each drafter's
+    (committed tokens, rounds), in the order of ``drafters``. Rows of one drafter on one item in several runs pool,
+    as ``aggregate`` pools them."""
+    by_item = defaultdict(lambda: defaultdict(lambda: [0.0, 0]))
+    for r in rows:
+        if r["drafter"] in drafters and (r["suite"], r["bucket"], r["temperature"]) == (suite, bucket, t):
+            acc = by_item[r["item"]][r["drafter"]]
+            acc[0] += r["tau"] * r["rounds"]
+            acc[1] += r["rounds"]
+    return [[tuple(v[d]) for d in drafters] for _, v in sorted(by_item.items()) if len(v) == len(drafters)]
+
+
+def bootstrap_support(items: list[list], holds, draws: int = BOOTSTRAP_DRAWS, seed: int = 0) -> float | None:
+    """The share of ``draws`` resamples of the prompts (with replacement, the same prompts for every drafter) in
+    which ``holds(τ − 1 of each drafter, pooled over the resample's rounds)`` is true: near 1, a reading that other
+    prompts of the same kind would likely repeat; near ½, a coin toss. ``items``: ``_paired_items``'s lists."""
+    if not items:
+        return None
+    rng, n, hits = random.Random(seed), len(items), 0
+    for _ in range(draws):
+        pick = [items[rng.randrange(n)] for _ in range(n)]
+        extra = [sum(p[j][0] for p in pick) / max(1, sum(p[j][1] for p in pick)) - 1.0 for j in range(len(items[0]))]
+        hits += bool(holds(*extra))
+    return hits / draws
+
+
+def _support_cell(items: list[list], holds) -> str:
+    """``bootstrap_support`` as a table cell, with the number of prompts it resampled (few prompts: a weak guide)."""
+    x = bootstrap_support(items, holds)
+    return "–" if x is None else f"{100 * x:.0f}% ({len(items)})"
+
+
+def _ahead_cell(items: list[list]) -> str:
+    """How often the first of two drafters is ahead over bootstrap resamples; "level" where the two committed the
+    same tokens in the same rounds on every prompt (the same guesses accepted, e.g. a memory cut that never bites)."""
+    if items and all(a == b for a, b in items):
+        return f"level ({len(items)})"
+    return _support_cell(items, lambda e1, e2: e1 > e2)
+
+
+def paper_claims(agg: dict, infos: dict, training_length: int | None = None,
+                 rows: list[dict] | None = None) -> list[str]:
     """The issue's bars, checked on these runs: τ − 1 beyond the training length vs full attention (≥ 1.5×) and
     sliding window (≥ 1.1×), τ ≥ full attention within it. Beyond it are the two longest buckets (the issue's
     definition, for drafters trained at the length its bucket plan assumes) or, given ``training_length``, every
     bucket whose shortest prompt is at least that long; the distant-evidence probe (HyFlash
     above the memory-limited ablation and sliding window), the nearby probe (slot attention matters), and the
-    drafter's context bytes (flat for HyFlash, growing for full attention)."""
+    drafter's context bytes (flat for HyFlash, growing for full attention). Given the raw ``rows``, each verdict also
+    says how often it holds over paired bootstrap resamples of the cell's prompts (``bootstrap_support``)."""
     roles = _roles(infos)
     h = roles.get("hyflash")
     if h is None:
@@ -264,7 +322,7 @@ def paper_claims(agg: dict, infos: dict, training_length: int | None = None) -> 
     for t in sorted({k[3] for k in agg if k[1] and k[2] == h}, reverse=True):
         get = lambda s, b, d: agg.get((s, b, d, t)) if d else None  # noqa: E731
         suites = sorted({k[0] for k in agg if k[1] and k[0] not in PROBES and k[2] == h and k[3] == t})
-        rows = []
+        table = []
         for s in suites:
             buckets = sorted({k[1] for k in agg if k[0] == s and k[2] == h and k[3] == t}, key=_bucket_key)
             if training_length:
@@ -273,20 +331,31 @@ def paper_claims(agg: dict, infos: dict, training_length: int | None = None) -> 
                 beyond = set(buckets[-2:]) if len(buckets) > 2 else set()
             for b in buckets:
                 eh, ef, es = (_extra(get(s, b, roles.get(r))) for r in ("hyflash", "full", "swa"))
-                if b in beyond:
-                    ok = None if ef is None or es is None else (
-                        eh >= 1.5 * ef if ef > 0 else eh > 0) and (eh >= 1.1 * es if es > 0 else eh > 0)
-                    bar = "beyond: ≥1.5× full, ≥1.1× swa"
-                else:
-                    ok = None if ef is None else eh >= ef
-                    bar = "within: τ ≥ full"
+                ok = _bar_holds(b in beyond, eh, ef, es)
+                bar = "beyond: ≥1.5× full, ≥1.1× swa" if b in beyond else "within: τ ≥ full"
                 cell = lambda e: "–" if e is None else f"{e:.2f}"  # noqa: E731
-                rows.append(f"| {s} | {b} | {cell(eh)} | {cell(ef)} | {cell(es)} | {_ratio(eh, ef)} | "
-                            f"{_ratio(eh, es)} | {bar} | {_meets(ok)} |")
-        if rows:
-            md += [f"### Long-context suites, temperature {t:g}", "",
-                   "| suite | bucket | HyFlash τ−1 | full τ−1 | swa τ−1 | HyFlash/full | HyFlash/swa | bar | |",
-                   "|---" * 9 + "|"] + rows + [""]
+                line = (f"| {s} | {b} | {cell(eh)} | {cell(ef)} | {cell(es)} | {_ratio(eh, ef)} | "
+                        f"{_ratio(eh, es)} | {bar} | {_meets(ok)} |")
+                if rows is not None:
+                    # within the length the bar reads HyFlash and full attention only: a missing swa drops nothing
+                    if b in beyond:
+                        ds, holds = ("hyflash", "full", "swa"), partial(_bar_holds, True)
+                    else:
+                        ds, holds = ("hyflash", "full"), lambda xh, xf: _bar_holds(False, xh, xf, None)
+                    items = _paired_items(rows, s, b, t, [roles[r] for r in ds]) if ok is not None else []
+                    line += f" {_support_cell(items, holds)} |"
+                table.append(line)
+        if table:
+            boot = rows is not None
+            md += [f"### Long-context suites, temperature {t:g}", ""]
+            if boot:
+                md += [f"Last column: the share of {BOOTSTRAP_DRAWS:,} paired bootstrap resamples of the cell's "
+                       "prompts in which the bar holds (each resample draws the cell's prompts with replacement, the same "
+                       "ones for every drafter; in brackets, how many prompts): near 100% or 0%, a verdict other "
+                       "prompts of the kind would likely repeat; near 50%, one these prompts decided. With fewer "
+                       "than about 8 prompts a resample repeats the same few and the share overstates certainty.", ""]
+            md += ["| suite | bucket | HyFlash τ−1 | full τ−1 | swa τ−1 | HyFlash/full | HyFlash/swa | bar | |"
+                   + (" holds in |" if boot else ""), "|---" * (9 + boot) + "|"] + table + [""]
         probe_rows = []
         # the nearby probe sets HyFlash against its slot-attention ablation: the drafter without it, or, in a family
         # trained without slot attention, the one with it
@@ -298,11 +367,20 @@ def paper_claims(agg: dict, infos: dict, training_length: int | None = None) -> 
                 cells = [f"{_extra(get(s, b, roles.get(r))):.2f}" if get(s, b, roles.get(r)) else "–"
                          for r in others]
                 ratios = [_ratio(eh, _extra(get(s, b, roles.get(r)))) for r in others[:2]]
-                probe_rows.append(f"| {s} | {b} | {eh:.2f} | " + " | ".join(
-                    f"{r}: {c}" for r, c in zip(others, cells)) + " | " + " / ".join(ratios) + " |")
+                line = (f"| {s} | {b} | {eh:.2f} | " + " | ".join(f"{r}: {c}" for r, c in zip(others, cells))
+                        + " | " + " / ".join(ratios) + " |")
+                if rows is not None:
+                    ahead = [_ahead_cell(_paired_items(rows, s, b, t, [h, roles[r]])) if get(s, b, roles.get(r))
+                             else "–" for r in others[:2]]
+                    line += " " + " / ".join(ahead) + " |"
+                probe_rows.append(line)
         if probe_rows:
-            md += [f"### Probes, temperature {t:g} (τ − 1; last column: HyFlash ÷ each of the first two)", "",
-                   "| probe | bucket | HyFlash | vs | vs | vs | ratios |", "|---" * 7 + "|"] + probe_rows + [""]
+            boot = rows is not None
+            md += [f"### Probes, temperature {t:g} (τ − 1; ratios: HyFlash ÷ each of the first two"
+                   + ("; HyFlash ahead in: the share of paired bootstrap resamples of the prompts where its τ is above"
+                      " each of the first two, as for the suites above" if boot else "") + ")", "",
+                   "| probe | bucket | HyFlash | vs | vs | vs | ratios |" + (" HyFlash ahead in |" if boot else ""),
+                   "|---" * (7 + boot) + "|"] + probe_rows + [""]
     sizes = {}
     for d in (h, roles.get("full"), roles.get("swa")):
         ks = [k for k in agg if k[1] and k[2] == d]
