@@ -188,7 +188,8 @@ def eval_command(target, drafters, suites, buckets, limit, skip, max_new_tokens,
               help="The drafters' training length in tokens: buckets whose shortest prompt reaches it are checked "
                    "against the beyond-the-training-length bars (default: the two longest buckets).")
 def report_command(runs, out, training_length):
-    """Tables and plots from one or more `hyflash eval` run folders."""
+    """Tables and plots from one or more `hyflash eval` run folders; each of the paper's bars with how often it holds
+    over resampled prompts (a paired bootstrap)."""
     from hyflash.evaluation.report import build_report
 
     click.echo(str(build_report(list(runs), out, training_length=training_length)))
