@@ -21,6 +21,7 @@
 # `FAMILY=copy512 SWA=1 STEPS=600 train.sh`, then `FAMILY=copy512s2 SWA=1 STEPS=600 train.sh`; then
 # `FAMILY=copy512 RUNS=slot STEPS=600 train.sh` and `FAMILY=copy512s2 RUNS=slot STEPS=600 train.sh`; then
 # `FAMILY=copy512s3 RUNS="hyflash slot" STEPS=600 train.sh`, then `FAMILY=copy512s3 RUNS="full swa" STEPS=600 train.sh`.
+# On a new machine (2026-12-08, its own data and features) `SWA=1 STEPS=600 train.sh` again: runs/smollm2-short512r2/.
 STEPS=${STEPS:-600}
 cd /work/main && . .venv/bin/activate
 D="--data /work/data/feat/docs300"
