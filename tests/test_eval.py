@@ -380,7 +380,7 @@ def test_bar_verdicts_say_how_often_they_hold_over_resampled_prompts():
     """FAKE NUMBERS (hand-made rows): the bootstrap column of the claims tables. Ten prompts where full attention and
     the sliding window extend 1 token in 10 rounds; HyFlash the same on nine and 20 on one. Pooled, HyFlash's τ − 1
     is 2.9× theirs (met), but only because of that one prompt: a resample without it (0.9¹⁰ ≈ 35% of them) fails."""
-    from hyflash.evaluation.report import _paired_items, aggregate, bootstrap_support, paper_claims
+    from hyflash.evaluation.report import _by_cell, _paired_items, aggregate, bootstrap_support, paper_claims
 
     infos = {d: {"variant": v, "memory_limit": None, "slot_attention": True}
              for d, v in (("h", "hyflash"), ("f", "full"), ("s", "swa"))}
@@ -395,7 +395,7 @@ def test_bar_verdicts_say_how_often_they_hold_over_resampled_prompts():
     rows = [row("reports", b, i, d, 3.0 if (d, i) == ("h", 0) else 1.1)
             for b in ("512-1K", "1K-2K", "2K-4K") for i in range(10) for d in "hfs"]
     rows += [row("probe_distant", "2K-4K", i, d, 1.3) for i in range(10) for d in "hms"]  # h and m level
-    items = _paired_items(rows, "reports", "2K-4K", 0.0, ["h", "f", "s"])
+    items = _paired_items(_by_cell(rows)[("reports", "2K-4K", 0.0)], ["h", "f", "s"])
     assert len(items) == 10 and items[0] == [(30.0, 10), (11.0, 10), (11.0, 10)]
     support = bootstrap_support(items, lambda eh, ef, es: eh >= 1.5 * ef and eh >= 1.1 * es)
     assert abs(support - (1 - 0.9 ** 10)) < 0.04

@@ -149,6 +149,7 @@ def build_report(run_dirs: list, out_dir, fake: bool = False, training_length: i
     md += [f"Built by `hyflash report {' '.join(str(d) for d in run_dirs)}{opt} --out {out_dir}` from {src}.", ""]
 
     # long-context table, paper shape: bucket rows, drafter columns, τ
+    by_cell = _by_cell(rows)
     for suite in sorted({k[0] for k in agg if k[1]}):
         buckets = sorted({k[1] for k in agg if k[0] == suite}, key=_bucket_key)
         for t in sorted({k[3] for k in agg if k[0] == suite}, reverse=True):  # the paper's temperature 1 first
@@ -158,8 +159,7 @@ def build_report(run_dirs: list, out_dir, fake: bool = False, training_length: i
             for b in buckets:
                 cells = [f"{agg[(suite, b, d, t)]['tau']:.2f}" if (suite, b, d, t) in agg else "–" for d in cols]
                 # distinct prompts, so the plain baseline that every run repeats is not counted once per run
-                n = len({r["item"] for r in rows
-                         if (r["suite"], r["bucket"], r["temperature"]) == (suite, b, t)})
+                n = len({r["item"] for r in by_cell.get((suite, b, t), ())})
                 md.append(f"| {b} (n={n}) | " + " | ".join(cells) + " |")
             md.append("")
     md += paper_claims(agg, infos, training_length, rows)
@@ -262,13 +262,21 @@ def _bar_holds(beyond: bool, eh: float | None, ef: float | None, es: float | Non
 BOOTSTRAP_DRAWS = 2000
 
 
-def _paired_items(rows: list[dict], suite: str, bucket: str, t: float, drafters: list[str]) -> list[list]:
-    """Per prompt that every one of ``drafters`` decoded in (suite, bucket) at temperature ``t``: each drafter's
-    (committed tokens, rounds), in the order of ``drafters``. Rows of one drafter on one item in several runs pool,
-    as ``aggregate`` pools them."""
-    by_item = defaultdict(lambda: defaultdict(lambda: [0.0, 0]))
+def _by_cell(rows: list[dict]) -> dict[tuple, list[dict]]:
+    """The raw rows grouped by (suite, bucket, temperature), so each table cell reads only its own rows."""
+    cells = defaultdict(list)
     for r in rows:
-        if r["drafter"] in drafters and (r["suite"], r["bucket"], r["temperature"]) == (suite, bucket, t):
+        cells[(r["suite"], r["bucket"], r["temperature"])].append(r)
+    return cells
+
+
+def _paired_items(cell_rows: list[dict], drafters: list[str]) -> list[list]:
+    """Per prompt that every one of ``drafters`` decoded in one cell (``_by_cell``'s rows of a suite, bucket and
+    temperature): each drafter's (committed tokens, rounds), in the order of ``drafters``. Rows of one drafter on one
+    item in several runs pool, as ``aggregate`` pools them."""
+    by_item = defaultdict(lambda: defaultdict(lambda: [0.0, 0]))
+    for r in cell_rows:
+        if r["drafter"] in drafters:
             acc = by_item[r["item"]][r["drafter"]]
             acc[0] += r["tau"] * r["rounds"]
             acc[1] += r["rounds"]
@@ -316,6 +324,7 @@ def paper_claims(agg: dict, infos: dict, training_length: int | None = None,
     h = roles.get("hyflash")
     if h is None:
         return []
+    by_cell = _by_cell(rows or [])
     header = ["## The paper's claims at our scale", "",
               f"Roles: {', '.join(f'{r} = `{d}`' for r, d in roles.items())}. τ − 1 = extra tokens per round.", ""]
     md = []  # the section's tables; none without long-context items (e.g. a short-suite run): no section then
@@ -342,7 +351,8 @@ def paper_claims(agg: dict, infos: dict, training_length: int | None = None,
                         ds, holds = ("hyflash", "full", "swa"), partial(_bar_holds, True)
                     else:
                         ds, holds = ("hyflash", "full"), lambda xh, xf: _bar_holds(False, xh, xf, None)
-                    items = _paired_items(rows, s, b, t, [roles[r] for r in ds]) if ok is not None else []
+                    cell_rows = by_cell.get((s, b, t), [])
+                    items = _paired_items(cell_rows, [roles[r] for r in ds]) if ok is not None else []
                     line += f" {_support_cell(items, holds)} |"
                 table.append(line)
         if table:
@@ -370,7 +380,8 @@ def paper_claims(agg: dict, infos: dict, training_length: int | None = None,
                 line = (f"| {s} | {b} | {eh:.2f} | " + " | ".join(f"{r}: {c}" for r, c in zip(others, cells))
                         + " | " + " / ".join(ratios) + " |")
                 if rows is not None:
-                    ahead = [_ahead_cell(_paired_items(rows, s, b, t, [h, roles[r]])) if get(s, b, roles.get(r))
+                    cell_rows = by_cell.get((s, b, t), [])
+                    ahead = [_ahead_cell(_paired_items(cell_rows, [h, roles[r]])) if get(s, b, roles.get(r))
                              else "–" for r in others[:2]]
                     line += " " + " / ".join(ahead) + " |"
                 probe_rows.append(line)
