@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from hyflash import HyflashError
+from hyflash import HyflashError, cpuload
 
 
 class _TextStreamer:
@@ -54,13 +54,17 @@ def cli():
 @click.option("--chat/--no-chat", default=None, help="Wrap the prompt in the chat template (default: if the target has one).")
 @click.option("--dtype", default="bf16", show_default=True, type=click.Choice(["bf16", "fp32"]))
 @click.option("--stop", "stop_strings", multiple=True, help="Stop string (repeatable).")
-@click.option("--threads", default=None, type=int, help="torch CPU threads.")
+@click.option("--threads", default=None, type=int,
+              help="torch CPU threads (default: torch's, fewer where other processes kept cores busy while the "
+                   "model loaded: threads that share a core with them wait at every step).")
 @click.option("--fast/--no-fast", default=None,
               help="Our lean target forward with a static KV cache (default: where it covers the architecture).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object {text, token_ids, stats} and nothing else.")
 def generate(prompt, prompt_file, target, drafter, max_new_tokens, temperature, top_k, top_p, seed, chat, dtype,
              stop_strings, threads, fast, as_json):
     """Generate text for PROMPT (or the text of --prompt-file), streaming it, then print the decoding statistics."""
+    import torch
+
     from hyflash.decoding import PREFILL_CHUNK, SamplingConfig, generate as run
     from hyflash.target import Target
 
@@ -73,7 +77,10 @@ def generate(prompt, prompt_file, target, drafter, max_new_tokens, temperature, 
         raise HyflashError("the prompt is empty")
     from hyflash.proposers import load_proposer, shipped_drafter_path, tree_nodes
 
+    before = cpuload.snapshot()
     tgt = Target.load(target, dtype=dtype, threads=threads, fast=fast)
+    if threads is None:
+        _leave_busy_cores(before)
     shipped = shipped_drafter_path(tgt) is not None
     if drafter is None:
         drafter = "ngram+auto" if shipped else "auto"
@@ -108,6 +115,7 @@ def generate(prompt, prompt_file, target, drafter, max_new_tokens, temperature, 
     stats["tree"] = tree_nodes(proposer)
     stats["target"] = tgt.name
     stats["fast_path"] = tgt.fast
+    stats["threads"] = torch.get_num_threads()
     if as_json:
         click.echo(json.dumps({"text": result.text, "token_ids": result.token_ids, "stats": stats}))
         return
@@ -117,6 +125,20 @@ def generate(prompt, prompt_file, target, drafter, max_new_tokens, temperature, 
         f"{stats['acceptance_length']:.2f} | {stats['tokens_per_s']:.1f} tok/s | draft {stats['draft_ms']:.0f} ms, "
         f"verify {stats['verify_ms']:.0f} ms | drafter state {stats['drafter_state_bytes']:,} B | target KV "
         f"{stats['target_kv_bytes']:,} B | stop: {stats['stop_reason']}]", err=True)
+
+
+def _leave_busy_cores(before: cpuload.Snapshot | None) -> None:
+    """Fewer torch threads where other processes kept cores busy since ``before`` (the model's load): see
+    hyflash.cpuload for why that is faster."""
+    import torch
+
+    busy = cpuload.others_busy_cores(before, cpuload.snapshot())
+    n = cpuload.threads_for(torch.get_num_threads(), cpuload.available_cores(), busy)
+    if n < torch.get_num_threads():
+        click.echo(f"hyflash: other processes kept {busy:.1f} of {cpuload.available_cores()} cores busy while the "
+                   f"model loaded: decoding with {n} thread{'s' * (n > 1)} instead of {torch.get_num_threads()} "
+                   "(--threads chooses)", err=True)
+        torch.set_num_threads(n)
 
 
 @cli.command()
