@@ -72,3 +72,21 @@ def test_generate_decodes_with_fewer_threads_when_the_cores_are_busy(smollm2_fp3
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["stats"]["threads"] == 1
     assert "other processes kept" in proc.stderr and "--threads chooses" in proc.stderr
+
+
+@pytest.mark.skipif(cpuload.snapshot() is None or cpuload.available_cores() < 2, reason="needs /proc/stat, 2 cores")
+def test_leave_busy_cores_lowers_torchs_threads_and_says_by_how_much():
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        now = cpuload.snapshot()
+        # a made-up second before now in which others kept every core busy
+        before = cpuload.Snapshot(now.busy_s - cpuload.available_cores(), now.own_s, now.wall_s - 1.0)
+        was, threads, busy = cpuload.leave_busy_cores(before)
+        assert (was, threads) == (2, 1) and torch.get_num_threads() == 1
+        assert busy >= cpuload.available_cores() - 0.5
+        # nothing known (not Linux): nothing changes
+        torch.set_num_threads(2)
+        assert cpuload.leave_busy_cores(None) == (2, 2, None) and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(old)

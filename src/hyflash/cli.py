@@ -128,17 +128,13 @@ def generate(prompt, prompt_file, target, drafter, max_new_tokens, temperature, 
 
 
 def _leave_busy_cores(before: cpuload.Snapshot | None) -> None:
-    """Fewer torch threads where other processes kept cores busy since ``before`` (the model's load): see
+    """Fewer torch threads where other processes kept cores busy since ``before`` (the model's load), saying so: see
     hyflash.cpuload for why that is faster."""
-    import torch
-
-    busy = cpuload.others_busy_cores(before, cpuload.snapshot())
-    n = cpuload.threads_for(torch.get_num_threads(), cpuload.available_cores(), busy)
-    if n < torch.get_num_threads():
+    old, new, busy = cpuload.leave_busy_cores(before)
+    if new < old:
         click.echo(f"hyflash: other processes kept {busy:.1f} of {cpuload.available_cores()} cores busy while the "
-                   f"model loaded: decoding with {n} thread{'s' * (n > 1)} instead of {torch.get_num_threads()} "
-                   "(--threads chooses)", err=True)
-        torch.set_num_threads(n)
+                   f"model loaded: decoding with {new} thread{'s' * (new > 1)} instead of {old} (--threads chooses)",
+                   err=True)
 
 
 @cli.command()

@@ -76,3 +76,16 @@ def threads_for(current: int, cores: int, others_busy: float | None) -> int:
     if free >= current - 0.5:
         return current
     return max(1, min(current, math.floor(free + 0.5)))
+
+
+def leave_busy_cores(before: Snapshot | None) -> tuple[int, int, float | None]:
+    """Lowers torch's threads (``threads_for``) by the cores other processes kept busy since ``before`` (e.g. taken
+    before loading the model): returns (threads before, threads now, the cores others kept busy or None)."""
+    import torch
+
+    old = torch.get_num_threads()
+    busy = others_busy_cores(before, snapshot())
+    new = threads_for(old, available_cores(), busy)
+    if new != old:
+        torch.set_num_threads(new)
+    return old, new, busy
