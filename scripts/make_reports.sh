@@ -125,14 +125,17 @@ long_report smollm2-copy512s3-short512-slot slot-cc512s3 probe_nearby probe_near
 python benchmarks/paired_items.py $C3-slot-probe_nearby $C3-slot-probe_nearby-more $CT-slot-probe_nearby \
     $CT-slot-probe_nearby-more --base slot-cc512s3 > $C3-slot/paired_vs_stage2.txt
 # the general 512-token family trained again on another CPU (its own features): report QA at 4–8K, 20 items, T 0 and 1;
-# then report QA at 2–4K (20 items) and HotpotQA at 2–4K and 4–8K (10 items each), greedy
+# then report QA at 2–4K (20 items) and HotpotQA at 2–4K and 4–8K (10 items each), greedy; and its HyFlash drafter
+# with the memory cut to the window (256) and to the training length (512) on the report-QA items
 S2=$R/smollm2-short512r2
-hyflash report $S2-reports-2K4K-t0 $S2-reports-4K8K-t0 $S2-hotpotqa-t0 $S2-reports-4K8K-t1 --training-length 512 \
-    --out reports/smollm2-short512r2-long
+hyflash report $S2-reports-2K4K-t0 $S2-reports-4K8K-t0 $S2-hotpotqa-t0 $S2-reports-4K8K-t1 $S2-cut-reports-2K-4K-t0 \
+    $S2-cut-reports-4K-8K-t0 --training-length 512 --out reports/smollm2-short512r2-long
 python benchmarks/paired_items.py $S2-reports-4K8K-t0 --base hyflash-512r > $S2/paired.txt
 python benchmarks/paired_items.py $S2-reports-4K8K-t1 --base hyflash-512r --temperature 1.0 > $S2/paired_t1.txt
 python benchmarks/paired_items.py $S2-hotpotqa-t0 $S2-reports-2K4K-t0 --base hyflash-512r --by-bucket \
     > $S2/paired_2K4K_hotpotqa.txt
+python benchmarks/paired_items.py $S2-reports-2K4K-t0 $S2-reports-4K8K-t0 $S2-cut-reports-2K-4K-t0 $S2-cut-reports-4K-8K-t0 \
+    --base hyflash-512r --by-bucket > $S2/paired_memory_cut.txt
 python benchmarks/paired_items.py $S2-reports-4K8K-t0 $SH-reports $SH-reports-more --base hyflash-512r --by-bucket \
     --drop-differing > $S2/paired_vs_first_training.txt
 python benchmarks/paired_items.py $S2-reports-4K8K-t1 $SH-reports-t1 $SH-reports-t1-more --base hyflash-512r \

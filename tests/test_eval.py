@@ -243,6 +243,10 @@ def test_report_from_a_fake_result_set(tmp_path):
     table = md[md.index("## hotpotqa"):]
     assert table.index("512-1K") < table.index("1K-2K") < table.index("2K-4K")
     assert "| drafter | variant | layers |" in md and "## Short suites (temperature 0)" in md
+    # the configuration table once per temperature: the greedy mtbench rows are not hidden behind temperature 1's
+    conf0 = md[md.index("## Drafter configurations (ablations, depth): τ pooled over buckets (temperature 0)"):]
+    conf1 = md[md.index("## Drafter configurations (ablations, depth): τ pooled over buckets (temperature 1)"):]
+    assert "| mtbench |" in conf0.splitlines()[2] and "| mtbench |" not in conf1.splitlines()[2]
     pytest.importorskip("matplotlib")
     for name in ("tau_vs_length.png", "drafter_bytes_vs_length.png", "tau_vs_depth.png"):
         assert (tmp_path / "report" / name).stat().st_size > 1000 and f"({name})" in md

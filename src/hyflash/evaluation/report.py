@@ -177,10 +177,10 @@ def build_report(run_dirs: list, out_dir, fake: bool = False, training_length: i
             md.append("")
     # ablations / depth: drafter configuration next to its pooled τ per suite
     described = [d for d in drafters if "variant" in infos.get(d, {})]
-    if described:
-        suites_all = sorted({k[0] for k in agg})
-        draft_t = any(infos[d].get("draft_temperature") is not None for d in described)  # a column only then
-        md += ["## Drafter configurations (ablations, depth): τ pooled over buckets", "",
+    draft_t = any(infos[d].get("draft_temperature") is not None for d in described)  # a column only then
+    for t in sorted({k[3] for k in agg if k[2] in described}, reverse=True):  # one table per temperature, 1 first
+        suites_all = sorted({k[0] for k in agg if k[3] == t})
+        md += [f"## Drafter configurations (ablations, depth): τ pooled over buckets (temperature {t:g})", "",
                "| drafter | variant | layers | memory | memory limit | slot attention | "
                + ("draft temperature | " if draft_t else "") + " | ".join(suites_all)
                + " |", "|---" * (6 + draft_t + len(suites_all)) + "|"]
@@ -188,8 +188,7 @@ def build_report(run_dirs: list, out_dir, fake: bool = False, training_length: i
             i = infos[d]
             cells = []
             for s in suites_all:
-                ks = [k for k in agg if k[0] == s and k[2] == d and k[3] == _pick_temperature(agg)]
-                rounds = [agg[k] for k in ks]
+                rounds = [a for k, a in agg.items() if k[0] == s and k[2] == d and k[3] == t]
                 cells.append(f"{sum(a['tau'] * a['n'] for a in rounds) / sum(a['n'] for a in rounds):.2f}"
                              if rounds else "–")
             md.append(f"| {d} | {i['variant']} | {i['num_layers']} | {i['memory'] if i['variant'] == 'hyflash' else '–'}"
