@@ -2,9 +2,9 @@
 
 torch's parallel regions (and our kernels, which run in torch's thread pool) wait at their end for every thread.
 When another process holds a core, the thread that lands on it waits for a time slice each region, and a decode
-step has hundreds of regions: on our 2-core VM with one core kept busy by another process, ``hyflash generate``
-ran at 22.4 tok/s with 2 threads and 52.4 with 1 (81.9 idle; 2026-12-08). So the CLI measures, while the model
-loads, how many cores others kept busy, and leaves them those cores.
+step has hundreds of regions: on our 2-core VM with one core kept busy by a busy loop, ``hyflash generate`` ran at
+24.2 tok/s with 2 threads and 52.2 with 1 (``benchmarks/bench_busy_cores.py``, 2026-12-08). So the CLI measures,
+while the model loads, how many cores others kept busy, and leaves them those cores.
 
 Linux only (``/proc/stat``); elsewhere every function here says "unknown" (``None``) and nothing changes.
 """
@@ -75,7 +75,7 @@ def threads_for(current: int, cores: int, others_busy: float | None) -> int:
     free = cores - others_busy
     if free >= current - 0.5:
         return current
-    return max(1, min(current, math.floor(free + 0.5)))
+    return max(1, math.floor(free + 0.5))  # below ``current``: free < current − ½
 
 
 def leave_busy_cores(before: Snapshot | None) -> tuple[int, int, float | None]:
